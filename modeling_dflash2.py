@@ -392,12 +392,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.post_init()
 
     # --------------------------------------------------------------------------------------- HF entry points
-    def attach(self, target: PreTrainedModel, use_by_default: bool = False) -> PreTrainedModel:
-        """After this, `target.generate(ids, assistant_model=drafter, ...)` drafts with DFlash 2."""
-        return _integration().attach(self, target, use_by_default=use_by_default)
+    def attach(self, target: PreTrainedModel, use_by_default: bool = False) -> "DFlash2DraftModel":
+        """After this, `target.generate(ids, assistant_model=drafter, ...)` drafts with DFlash 2. Returns the drafter."""
+        _integration().attach(self, target, use_by_default=use_by_default)
+        return self
 
-    def detach(self, target: PreTrainedModel) -> PreTrainedModel:
-        return _integration().detach(target)
+    def detach(self, target: PreTrainedModel) -> "DFlash2DraftModel":
+        _integration().detach(target)
+        return self
 
     def save_pretrained(self, save_directory, tokenizer=None, **kwargs):
         """Write a self-contained folder: config (auto_map), safetensors, flat remote code, custom_generate/."""

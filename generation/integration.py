@@ -175,6 +175,10 @@ class DFlash2SpeculativeLM:
         from configuration_dflash2 import DFlash2Config as config_class
 
     @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        pass  # the auto classes register remote classes; this loader returns a target, which needs no registration
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, target=None, gguf_file=None,
                         dtype=None, torch_dtype=None, device_map=None, **kwargs):
         try:

@@ -1,0 +1,347 @@
+"""DFlash 2 inside `target.generate(assistant_model=drafter)`: lossless greedy, exact sampling, entry points, errors."""
+
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import pipeline
+
+from generation import DFlash2CandidateGenerator, detach
+from helpers import EOS, VOCAB, tiny_drafter, tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plain_greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Make drafts partly right: the first j drafts of each round come from the reference continuation.
+
+    The real drafter still runs (cache bookkeeping, selector); only its tokens are overwritten, so acceptance
+    lengths vary from 0 to the whole block and every verification path of the loop is exercised.
+    """
+    state = {"reference": None, "rng": random.Random(0)}
+    original = DFlash2CandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        candidates, logits = original(self, input_ids, *args, **kwargs)
+        reference = state["reference"]
+        start, end = input_ids.shape[1], candidates.shape[1]
+        if reference is not None and end > start:
+            right = state["rng"].randint(0, end - start)
+            usable = min(start + right, reference.shape[1])
+            candidates = candidates.clone()
+            candidates[:, start:usable] = reference[:, start:usable]
+        return candidates, logits
+
+    monkeypatch.setattr(DFlash2CandidateGenerator, "get_candidates", get_candidates)
+    return state
+
+
+CASES = [(arch, identity, seed) for arch in ("llama", "qwen3") for identity in (False, True) for seed in range(4)]
+
+
+@pytest.mark.parametrize("arch,identity,seed", CASES)
+def test_greedy_equals_plain_greedy(arch, identity, seed, oracle):
+    target = tiny_target(arch, seed=seed)
+    drafter = tiny_drafter(target, seed=seed + 10, identity=identity, block_size=[4, 5, 8][seed % 3])
+    drafter.attach(target)
+    rng = random.Random(seed)
+    for case in range(5):
+        prompt_length = rng.randint(1, 12)
+        max_new = rng.choice([1, 2, 7, 13, 22, 31])
+        ids = torch.randint(4, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(seed * 100 + case))
+        reference = plain_greedy(target, ids, max_new_tokens=max_new)
+        oracle["reference"] = reference
+        speculative = plain_greedy(target, ids, max_new_tokens=max_new, assistant_model=drafter)
+        assert torch.equal(speculative, reference), (case, prompt_length, max_new)
+        stats = drafter.last_stats
+        assert stats.completion_tokens == reference.shape[1] - prompt_length
+        assert stats.target_forwards <= stats.completion_tokens
+
+
+def test_oracle_drafts_raise_acceptance(oracle):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    oracle["reference"] = plain_greedy(target, ids, max_new_tokens=40)
+    plain_greedy(target, ids, max_new_tokens=40, assistant_model=drafter)
+    stats = drafter.last_stats
+    assert stats.acceptance_length > 2.0
+    assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_stops_at_eos_inside_a_block(arch, oracle):
+    """Pick a token the target emits mid-continuation as EOS: both paths must stop right after it."""
+    for seed in range(50):  # find a target/prompt whose continuation has a fresh token a few steps in
+        target = tiny_target(arch, seed=seed)
+        ids = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(seed))
+        free_run = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=None)
+        new_tokens = free_run[0, 5:].tolist()
+        fresh = [t for i, t in enumerate(new_tokens) if i >= 2 and new_tokens.index(t) == i]
+        if fresh:
+            eos = fresh[0]
+            break
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    reference = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=eos)
+    oracle["reference"] = free_run  # the oracle happily drafts past the EOS
+    speculative = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(speculative, reference)
+    assert speculative[0, -1].item() == eos
+
+
+def test_greedy_with_repetition_penalty_is_lossless(oracle):
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    reference = plain_greedy(target, ids, max_new_tokens=25, repetition_penalty=1.3)
+    oracle["reference"] = reference
+    speculative = plain_greedy(target, ids, max_new_tokens=25, repetition_penalty=1.3, assistant_model=drafter)
+    assert torch.equal(speculative, reference)
+
+
+def test_dflash1_drafter_greedy_is_lossless():
+    target = tiny_target("qwen3", seed=2)
+    drafter = tiny_drafter(target, version=1).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(plain_greedy(target, ids, max_new_tokens=20, assistant_model=drafter),
+                       plain_greedy(target, ids, max_new_tokens=20))
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def chi2_critical(dof: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (alpha_z = 3.09: p = 0.001)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + alpha_z * math.sqrt(h)) ** 3
+
+
+def exact_distribution_of_step(target, ids, step, processors):
+    """Exact marginal distribution of the token `step` positions after the prompt under the processed target."""
+    sequences = {tuple(ids[0].tolist()): 1.0}
+    for _ in range(step + 1):
+        grown = {}
+        for sequence, weight in sequences.items():
+            prefix = torch.tensor([sequence])
+            with torch.no_grad():
+                logits = target(prefix).logits[:, -1].float()
+            probs = processors(prefix, logits).softmax(-1)[0]
+            for token in probs.nonzero().flatten().tolist():
+                key = sequence + (token,)
+                grown[key] = grown.get(key, 0.0) + weight * float(probs[token])
+        sequences = grown
+    marginal = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+    for sequence, weight in sequences.items():
+        marginal[sequence[-1]] += weight
+    return marginal
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_p=0.8)])
+def test_speculative_sampling_reproduces_the_target_distribution(settings):
+    vocab, draws = 12, 1500
+    target = tiny_target("llama", seed=7, vocab=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.35)  # a flatter target: many tokens have real probability
+    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, mask_token_id=vocab - 1).attach(target)
+    ids = torch.tensor([[5, 6, 7]])
+    generation = dict(do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None, **settings)
+    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
+
+    torch.manual_seed(0)
+    counts = torch.zeros(2, vocab, dtype=torch.float64)
+    accepted = 0
+    for _ in range(draws):
+        out = target.generate(ids, assistant_model=drafter, **generation)
+        for row, step in enumerate((1, 2)):
+            counts[row, out[0, 3 + step]] += 1
+        accepted += drafter.last_stats.accepted_per_position[0]
+    assert accepted > draws * 0.05, "the drafter never got a draft accepted: the test would not test rejection"
+    for row, step in enumerate((1, 2)):
+        expected = exact_distribution_of_step(target, ids, step, processors) * draws
+        support = expected > 0
+        assert counts[row][~support].sum() == 0, "sampled a token the target gives zero probability"
+        cells = expected[support] >= 5  # pool rare cells into one, as the chi-square approximation needs
+        observed = torch.cat([counts[row][support][cells], counts[row][support][~cells].sum().view(1)])
+        wanted = torch.cat([expected[support][cells], expected[support][~cells].sum().view(1)])
+        if wanted[-1] == 0:
+            observed, wanted = observed[:-1], wanted[:-1]
+        statistic = float(((observed - wanted) ** 2 / wanted).sum())
+        assert statistic < chi2_critical(len(wanted) - 1), (settings, step, statistic)
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def test_attach_and_detach():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([[5, 6, 7]])
+    drafter.attach(target)
+    target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=drafter)
+    assert drafter.last_stats.target_forwards > 0
+    drafter.detach(target)
+    assert "generate" not in target.__dict__ and "_get_candidate_generator" not in target.__dict__
+    with pytest.raises(RuntimeError, match="drafter.attach\\(target\\)"):
+        target.generate(ids, max_new_tokens=5, do_sample=False, assistant_model=drafter)
+
+
+def test_unattached_drafter_gives_one_clear_error():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    with pytest.raises(RuntimeError, match="not attached"):
+        target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False, assistant_model=drafter)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_beams=2), "not beam search"),
+    (dict(num_return_sequences=2, do_sample=True), "one sequence per prompt"),
+])
+def test_unsupported_requests_are_refused_clearly(kwargs, message):
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter, **kwargs)
+
+
+def test_batch_on_the_hf_loop_is_refused_clearly():
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        target.generate(torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4, assistant_model=drafter)
+
+
+def test_mismatched_targets_are_refused_clearly():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="Vocabulary mismatch"):
+        drafter.attach(tiny_target(vocab=VOCAB + 4))
+    with pytest.raises(ValueError, match="Hidden-size mismatch"):
+        drafter.attach(tiny_target(hidden=32))
+    with pytest.raises(ValueError, match="has only 3 layers"):
+        drafter.attach(tiny_target(layers=3))
+
+
+def test_builtin_dflash_speculation_runs_our_drafter_losslessly():
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, seed=4)
+    ids = torch.randint(4, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    reference = plain_greedy(target, ids, max_new_tokens=21)
+    builtin = target.generate(ids, max_new_tokens=21, do_sample=False, assistant_model=drafter,
+                              speculation_type="dflash")
+    assert torch.equal(builtin, reference)
+
+
+def test_pipeline_with_assistant_model():
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = _tiny_tokenizer()
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    out = generator("a b c", max_new_tokens=6, do_sample=False)
+    assert drafter.last_stats.target_forwards > 0
+    detach(target)
+    plain = pipeline("text-generation", model=target, tokenizer=tokenizer)("a b c", max_new_tokens=6, do_sample=False)
+    assert out[0]["generated_text"] == plain[0]["generated_text"]
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab.update({"a": 10, "b": 11, "c": 12})
+    for name, index in [("t10", None), ("t11", None), ("t12", None)]:
+        vocab.pop(name)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token=f"t{EOS}", pad_token="t0",
+                                   unk_token="t2")
+
+
+def _export_target_and_drafter(tmp_path, oracle_free=True):
+    target = tiny_target("llama", seed=6)
+    tokenizer = _tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter = tiny_drafter(target, seed=6, target_name_or_path=str(tmp_path / "target"))
+    drafter.save_pretrained(tmp_path / "drafter", tokenizer=tokenizer)
+    return target, tokenizer
+
+
+def test_custom_generate_loads_the_drafter_folder(tmp_path):
+    target, _ = _export_target_and_drafter(tmp_path)
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    reference = plain_greedy(target, ids, max_new_tokens=17)
+    out = target.generate(ids, max_new_tokens=17, do_sample=False, custom_generate=str(tmp_path / "drafter"),
+                          trust_remote_code=True)
+    assert torch.equal(out, reference)
+    drafter = target._dflash2_drafter
+    assert drafter.last_stats.target_forwards > 0
+    again = target.generate(ids, max_new_tokens=17, do_sample=False, custom_generate=str(tmp_path / "drafter"),
+                            trust_remote_code=True)
+    assert torch.equal(again, reference) and target._dflash2_drafter is drafter  # loaded once, cached
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("configuration_dflash2", "modeling_dflash2", "generation", "dflash2_cli",
+                                      "training"):
+                raise ImportError("the dflash2 project is not importable in this process: " + name)
+    sys.meta_path.insert(0, Block())
+    sys.path = [p for p in sys.path if p not in ("", ".") and not p.rstrip("/").endswith("main")]
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+    drafter_dir, target_dir = sys.argv[1], sys.argv[2]
+    ids = torch.tensor([[5, 9, 14, 20, 7, 31]])
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    reference = target.generate(ids, max_new_tokens=15, do_sample=False)
+    # (a) AutoModel + attach
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
+    assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    drafter.attach(target)
+    out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, reference), (out, reference)
+    assert drafter.last_stats.target_forwards > 0
+    drafter.detach(target)
+    # (b) custom_generate
+    out = target.generate(ids, max_new_tokens=15, do_sample=False, custom_generate=drafter_dir, trust_remote_code=True)
+    assert torch.equal(out, reference)
+    # (c) pipeline with assistant_model
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    fresh_target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    drafter.attach(fresh_target)
+    text = pipeline("text-generation", model=fresh_target, tokenizer=tok, assistant_model=drafter)(
+        "a b c", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    # (d) the model-card one-liner: the drafter folder names its target
+    one_liner = pipeline("text-generation", model=drafter_dir, trust_remote_code=True)
+    assert getattr(one_liner.model, "_dflash2_drafter", None) is not None
+    text_d = one_liner("a b c", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text_d == text, (text_d, text)
+    assert one_liner.model._dflash2_drafter.last_stats.target_forwards > 0
+    print("FRESH-PROCESS-OK")
+""")
+
+
+def test_exported_folder_works_in_a_fresh_process(tmp_path):
+    _export_target_and_drafter(tmp_path)
+    exported = sorted(p.name for p in (tmp_path / "drafter").iterdir())
+    for name in ("config.json", "configuration_dflash2.py", "modeling_dflash2.py", "candidate_generator.py",
+                 "integration.py", "custom_generate"):
+        assert name in exported
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(tmp_path / "drafter"), str(tmp_path / "target")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert "FRESH-PROCESS-OK" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]
