@@ -284,16 +284,21 @@ def pair_scores(
     predecessor_codebook: torch.Tensor,
     successor_codebook: torch.Tensor,
 ) -> torch.Tensor:
-    """S[b, t, i, j] = U_t(c_tj) + sum_r A[p_ti, r] * g_t[r] * Bs[c_tj, r], in fp32.
-
-    unary, candidates: [b, R, K] top-k scores and ids of the R draft rows; anchor_ids: [b]; gate: [b, R, r].
-    p_ti is candidate i of row t-1, or the anchor for t = 0 (the same for every i, so any i gives the same row).
-    """
+    """All pair scores S[b, t, i, j] of draft row t: predecessor = candidate i of row t-1 (the anchor for t = 0, the
+    same for every i), successor = candidate j. unary, candidates: [b, R, K]; anchor_ids: [b]; gate: [b, R, r]."""
     batch, rows, k = candidates.shape
     predecessors = torch.cat([anchor_ids.view(batch, 1, 1).expand(batch, 1, k), candidates[:, :-1]], dim=1)
-    left = predecessor_codebook[predecessors].float() * gate.float().unsqueeze(2)  # [b, R, K, r]
-    right = successor_codebook[candidates].float()  # [b, R, K, r]
-    return unary.float().unsqueeze(2) + left @ right.transpose(-1, -2)
+    return bilinear_scores(unary, candidates, predecessors, gate, predecessor_codebook, successor_codebook)
+
+
+def bilinear_scores(unary, candidates, predecessors, gate, predecessor_codebook, successor_codebook) -> torch.Tensor:
+    """S[..., i, j] = U(c_j) + sum_r A[p_i, r] * g[r] * Bs[c_j, r] in fp32.
+
+    unary, candidates: [..., K]; predecessors: [..., P] token ids; gate: [..., r]. Returns [..., P, K].
+    """
+    left = predecessor_codebook[predecessors].float() * gate.float().unsqueeze(-2)  # [..., P, r]
+    right = successor_codebook[candidates].float()  # [..., K, r]
+    return unary.float().unsqueeze(-2) + left @ right.transpose(-1, -2)
 
 
 def walk_path(

@@ -13,6 +13,7 @@ import torch
 from transformers import pipeline
 
 from generation import DFlash2CandidateGenerator, detach
+from generation.candidate_generator import cut_after_eos
 from helpers import EOS, VOCAB, tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,8 @@ def oracle(monkeypatch):
             usable = min(start + right, reference.shape[1])
             candidates = candidates.clone()
             candidates[:, start:usable] = reference[:, start:usable]
+            drafts = cut_after_eos(candidates[:, start:], self.eos_token_ids)  # the generator's own invariant
+            candidates = candidates[:, : start + drafts.shape[1]]
         return candidates, logits
 
     monkeypatch.setattr(DFlash2CandidateGenerator, "get_candidates", get_candidates)
