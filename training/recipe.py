@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
     parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2))
     parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: target's)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--selector-rank", type=int, default=32)
     parser.add_argument("--selector-top-k", type=int, default=16)
@@ -89,6 +90,7 @@ def run(args) -> Path:
     config = DFlash2Config.for_target(
         target.config,
         num_hidden_layers=args.layers,
+        intermediate_size=args.intermediate_size or text.intermediate_size,
         block_size=args.block_size,
         dflash_version=args.dflash_version,
         selector_rank=args.selector_rank,
