@@ -47,15 +47,19 @@ class DFlash2RMSNorm(nn.Module):
 class DFlash2RotaryEmbedding(nn.Module):
     def __init__(self, config: DFlash2Config):
         super().__init__()
-        rope_type = config.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            base = config.rope_parameters.get("rope_theta", 10000.0)
-            dim = config.head_dim
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        inv_freq, self.attention_scaling = self.inverse_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def inverse_frequencies(config: DFlash2Config) -> tuple[torch.Tensor, float]:
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type != "default":
+            return ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        base = config.rope_parameters.get("rope_theta", 10000.0)
+        dim = config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +373,9 @@ class DFlash2PreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, DFlash2RMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, DFlash2RotaryEmbedding):
+            # a non-persistent buffer: from_pretrained builds the model on the meta device, so recompute it here
+            init.copy_(module.inv_freq, module.inverse_frequencies(module.config)[0])
         if isinstance(module, DFlash2DynamicConv):
             # identity: tap 0 passes the row through, every other tap and the dynamic correction are zero
             identity = torch.zeros_like(module.base_kernel)

@@ -165,6 +165,17 @@ def load_target(config, target=None, gguf_file=None, dtype=None, device_map=None
     return model, tokenizer
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The target's own chat template around one user turn (plain text when the tokenizer has no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]
+
+
 class DFlash2SpeculativeLM:
     """`AutoModelForCausalLM` entry of an exported drafter folder: loads the drafter, then the target its config
     names, attaches one to the other and returns the *target*, which now speculates by default."""
@@ -217,6 +228,7 @@ def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size:
         keep = save_directory / "README.md"
         if keep.exists() and not (staging / "README.md").exists():
             shutil.copyfile(keep, staging / "README.md")
+        _make_readable(staging)
         if save_directory.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{save_directory.name}.old.", dir=save_directory.parent))
             os.replace(save_directory, old / "x")
@@ -228,6 +240,13 @@ def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return save_directory
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp and some writers create owner-only entries; a shipped folder is world-readable like a checkout."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _source_file(repo_relative: str) -> Path:

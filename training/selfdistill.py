@@ -9,16 +9,7 @@ from pathlib import Path
 
 import torch
 
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The target's own chat template around one user turn (plain text when the tokenizer has no template)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(prompt)["input_ids"]
+from generation.integration import chat_prompt_ids
 
 
 @torch.no_grad()

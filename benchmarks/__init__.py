@@ -1,0 +1,1 @@
+"""Evaluation prompt sets and the benchmark behind `dflash2 bench`."""

