@@ -99,10 +99,11 @@ def command_bench(args) -> None:
     if args.dflash1_drafter:
         dflash1 = DFlash2DraftModel.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
-    results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts,
+    command = "dflash2 " + " ".join(sys.argv[1:])
+    results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            static_baseline=args.static_baseline)
-    results["settings"]["command"] = "dflash2 " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+                            static_baseline=args.static_baseline,
+                            on_task_done=lambda partial: write_reports(partial, args.out))
     written = write_reports(results, args.out)
     print(markdown_table(results))
     print("wrote " + ", ".join(str(p) for p in written))

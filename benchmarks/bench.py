@@ -93,8 +93,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbench"), num_prompts: int = 8,
+                  command: str | None = None,
                   max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, static_baseline=False,
-                  progress: bool = True, seed: int = 0) -> dict:
+                  progress: bool = True, seed: int = 0, on_task_done=None) -> dict:
     """drafters: {"dflash2": drafter, optional "dflash1": drafter}, attached to `target`."""
     device = target.get_output_embeddings().weight.device
     greedy = temperature == 0
@@ -102,7 +103,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                                                      "top_k": 0}
     methods = ["plain"] + (["plain-static"] if static_baseline else []) + ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters]
-    results = {"settings": {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+    results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
                             "top_p": top_p, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
                             if device.type == "cuda" else None},
@@ -155,6 +156,8 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                     bar.update(1)
         plain = per_method["plain"]
         results["tasks"][task] = {name: r.as_dict(plain, greedy) for name, r in per_method.items()}
+        if on_task_done is not None:  # partial results survive an interrupted run
+            on_task_done(results)
     if bar is not None:
         bar.close()
     return results

@@ -1,0 +1,130 @@
+"""Split one DFlash 2 round into its parts: target verification, drafter pass, selection, and loop overhead.
+
+    python -m benchmarks.profile_step [--drafter DIR] [--context 512] [--repeats 30]
+
+Prints median times and the bound they imply: speedup <= tau * t_plain_step / (t_verify + t_draft + t_select).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def median_time(call, device, repeats: int) -> float:
+    for _ in range(3):
+        call()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+@torch.no_grad()
+def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int, max_new_tokens: int) -> dict:
+    from transformers import DynamicCache
+
+    from generation.candidate_generator import DFlash2CandidateGenerator
+    from generation.integration import chat_prompt_ids
+
+    device = drafter.device
+    block = drafter.config.block_size
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+    filler = torch.randint(100, 1000, (1, max(context - ids.shape[1], 0)), device=device)
+    prefix = torch.cat([filler, ids], dim=1)
+    cache = DynamicCache()
+    out = target(input_ids=prefix, cache=cache, output_hidden_states=True) if _takes_cache(target) else target(
+        input_ids=prefix, past_key_values=cache, output_hidden_states=True)
+    cache_key = "cache" if _takes_cache(target) else "past_key_values"
+
+    def verify(width):
+        def call():
+            target(input_ids=prefix[:, -width:], output_hidden_states=True, **{cache_key: cache})
+            cache.crop(-width)
+        return call
+
+    generator = DFlash2CandidateGenerator(drafter, target.generation_config, None, prefix)
+    features = torch.cat([out.hidden_states[i + 1][:, -4:] for i in drafter.config.target_layer_ids], dim=-1)
+    generator.draft_block(prefix[:, -1], torch.cat([out.hidden_states[i + 1][:, :-4] for i in
+                                                    drafter.config.target_layer_ids], dim=-1))
+
+    def draft():
+        generator.draft_block(prefix[:, -1], features)
+        generator.cache.crop(-features.shape[1])
+        generator.context_length -= features.shape[1]
+
+    hidden = generator.draft_block(prefix[:, -1], features)
+
+    def select():
+        drafter.propose(prefix[:, -1], hidden).tokens.tolist()  # .tolist(): the host needs the drafts
+
+    timings = {
+        "t_plain_step": median_time(verify(1), device, repeats),
+        "t_verify": median_time(verify(block), device, repeats),
+        "t_draft": median_time(draft, device, repeats),
+        "t_select": median_time(select, device, repeats),
+    }
+    # a real generate call: the whole round, loop overhead included
+    gen_ids = ids
+    target.generate(gen_ids, assistant_model=drafter, max_new_tokens=16, do_sample=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    result = target.generate(gen_ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total = time.perf_counter() - started
+    stats = drafter.last_stats
+    plain_started = time.perf_counter()
+    plain = target.generate(gen_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    plain_total = time.perf_counter() - plain_started
+    rounds = stats.target_forwards
+    timings["t_round_measured"] = total / rounds
+    timings["t_plain_step_measured"] = plain_total / (plain.shape[1] - gen_ids.shape[1])
+    timings["t_overhead"] = timings["t_round_measured"] - timings["t_verify"] - timings["t_draft"] - timings["t_select"]
+    tau = stats.acceptance_length
+    timings["tau"] = tau
+    timings["speedup_bound"] = tau * timings["t_plain_step"] / (timings["t_verify"] + timings["t_draft"] +
+                                                               timings["t_select"])
+    timings["speedup_measured"] = (stats.completion_tokens / total) / ((plain.shape[1] - gen_ids.shape[1]) /
+                                                                       plain_total)
+    timings["tokens"] = stats.completion_tokens
+    return timings
+
+
+def _takes_cache(model) -> bool:
+    import inspect
+
+    return "cache" in inspect.signature(model.forward).parameters
+
+
+def main(argv=None):
+    from dflash2_cli import add_model_arguments, load_pair
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.")
+    parser.add_argument("--context", type=int, default=512, help="cache length the step times are taken at")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    target, tokenizer, drafter = load_pair(args)
+    timings = profile(target, tokenizer, drafter, args.prompt, args.context, args.repeats, args.max_new_tokens)
+    print(json.dumps({k: round(v * 1000, 3) if k.startswith("t_") else round(v, 3) for k, v in timings.items()},
+                     indent=1))
+    print("times in ms; speedup_bound = tau * t_plain_step / (t_verify + t_draft + t_select)")
+
+
+if __name__ == "__main__":
+    main()
