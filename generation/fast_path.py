@@ -198,8 +198,11 @@ class StaticDFlash2Decoder:
             noise = self._noise(sampling, generator)
             # the first round carries the whole prompt's features (its own shape): keep it out of the compiled graph
             run = self._round if stats.target_forwards == 1 else self.round
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # a new iteration: earlier graph outputs may be reused
             block, accepted, next_token, block_features = run(anchor, start, features, write_positions, sampling,
                                                               noise)
+            block_features, next_token, accepted = block_features.clone(), next_token.clone(), accepted.clone()
             count = int(accepted)  # the round's one host synchronisation
             new = block[0, 1: count + 1].tolist() + [int(next_token)]
             stats.target_forwards += 1

@@ -108,7 +108,9 @@ def _split_generate_call(target, args, kwargs):
     """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call."""
     import copy
 
-    kwargs = dict(kwargs)
+    # custom_generate forwards every generate argument, most of them None or empty: those ask for nothing
+    kwargs = {k: v for k, v in kwargs.items()
+              if v is not None and not (k in ("synced_gpus", "logits_processor", "stopping_criteria") and not v)}
     drafter = kwargs.pop("assistant_model")
     inputs = args[0] if args else kwargs.pop("inputs", None)
     inputs = inputs if inputs is not None else kwargs.pop("input_ids")

@@ -140,3 +140,17 @@ def test_batched_sampling_keeps_each_rows_distribution():
         observed, wanted = observed[:-1], wanted[:-1]
     statistic = float(((observed - wanted) ** 2 / wanted).sum())
     assert statistic < chi2_critical(len(wanted) - 1)
+
+
+def test_batched_through_custom_generate(tmp_path):
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, seed=4)
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = [[5, 9, 14, 3 + 20], [7, 31]]
+    references = [alone(target, p, max_new_tokens=12) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    for row in range(2):
+        assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
+    assert target._dflash2_drafter.last_stats.target_forwards > 0

@@ -349,3 +349,25 @@ def test_exported_folder_works_in_a_fresh_process(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert "FRESH-PROCESS-OK" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def test_target_dispatched_by_device_map_with_offloaded_layers(tmp_path, oracle):
+    """A target placed by accelerate (device_map with layers and the LM head offloaded to disk): still lossless.
+
+    On CPU this exercises the hooks `device_map` installs; the multi-GPU run is in benchmarks/device_map_check.py.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tiny_target("llama", seed=2).save_pretrained(tmp_path / "target")
+    reference_model = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk"}
+    device_map.update({f"model.layers.{i}": ("cpu" if i < 3 else "disk") for i in range(6)})
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32, device_map=device_map,
+                                                  offload_folder=str(tmp_path / "offload"))
+    assert target.lm_head.weight.device.type == "meta"  # really offloaded
+    drafter = tiny_drafter(target, seed=2).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    reference = plain_greedy(reference_model, ids, max_new_tokens=16)
+    oracle["reference"] = reference
+    assert torch.equal(plain_greedy(target, ids, max_new_tokens=16, assistant_model=drafter), reference)
+    assert drafter.last_stats.accepted_per_position[0] > 0

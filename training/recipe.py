@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--init-from", default=None,
+                        help="start from this drafter folder (e.g. the shipped one) instead of identity init")
     return parser
 
 
@@ -101,7 +103,11 @@ def run(args) -> Path:
         target_gguf_file=args.gguf_file,
     )
     torch.manual_seed(args.seed)
-    drafter = DFlash2DraftModel(config).bind_target(target)
+    if args.init_from:
+        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32).bind_target(target)
+        log(json.dumps({"init_from": args.init_from}))
+    else:
+        drafter = DFlash2DraftModel(config).bind_target(target)
     train_config = TrainConfig(anchors_per_sequence=args.anchors, batch_size=args.batch_size,
                                max_length=args.max_length, learning_rate=args.lr, max_steps=args.steps,
                                time_budget_s=args.time_budget, seed=args.seed)
