@@ -15,12 +15,12 @@ from transformers import DynamicCache
 
 try:  # flat remote-code folder or this repository
     from .candidate_generator import DFlash2Stats
-    from .fast_path import Sampling, StaticDraftCache, greedy_accept, speculative_accept, warped_probabilities
-    from .modeling_dflash2 import sample_gumbel
+    from .fast_path import (Sampling, StaticDraftCache, draft_temperature, eos_token_ids, first_token, greedy_accept,
+                            round_noise, speculative_accept, warped_probabilities)
 except ImportError:
     from generation.candidate_generator import DFlash2Stats
-    from generation.fast_path import Sampling, StaticDraftCache, greedy_accept, speculative_accept, warped_probabilities
-    from modeling_dflash2 import sample_gumbel
+    from generation.fast_path import (Sampling, StaticDraftCache, draft_temperature, eos_token_ids, first_token,
+                                      greedy_accept, round_noise, speculative_accept, warped_probabilities)
 
 
 class BatchedDFlash2Decoder:
@@ -88,7 +88,7 @@ class BatchedDFlash2Decoder:
         logits, features, slots = self.verify(input_ids.to(self.device), positions, attention_mask)
         self.slots = prompt_length
         stats.target_forwards += 1
-        first = self._sample(logits[:, -1], sampling, generator)
+        first = first_token(logits[:, -1], sampling, generator)
         outputs = [[int(t)] for t in first.tolist()]
         rows = list(range(batch))  # original row of each live row
         eos = set(eos_token_ids or ())
@@ -104,9 +104,9 @@ class BatchedDFlash2Decoder:
         while rows:
             self.live_rows = rows  # original index of each row still decoding
             hidden = self.draft_block(anchor, start, features, write_slots, write_valid)
-            noise = self._noise(len(rows), sampling, generator)
+            noise = round_noise(self.drafter, len(rows), sampling, generator)
             proposal = self.drafter.propose(anchor, hidden, gumbel=noise[0] if noise else None,
-                                            transform=_temperature(sampling) if sampling.do_sample else None)
+                                            transform=draft_temperature(sampling) if sampling.do_sample else None)
             tokens = torch.cat([anchor.view(-1, 1), proposal.tokens], dim=1)
             block_positions = start.view(-1, 1) + torch.arange(block, device=self.device).view(1, -1)
             logits, features, write_slots = self.verify(tokens, block_positions,
@@ -153,37 +153,12 @@ class BatchedDFlash2Decoder:
             generated[row, : len(tokens)] = torch.tensor(tokens)
         return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
 
-    def _sample(self, logits, sampling, generator):
-        if not sampling.do_sample:
-            return logits.argmax(-1)
-        return torch.multinomial(warped_probabilities(logits, sampling), 1, generator=generator).squeeze(-1)
-
-    def _noise(self, batch, sampling, generator):
-        if not sampling.do_sample:
-            return None
-        rows = self.block_size - 1
-        width = self.drafter.config.selector_top_k if self.drafter.candidate_selector is not None else \
-            self.drafter.config.vocab_size
-        vocab = self.drafter.config.vocab_size
-        return (sample_gumbel((batch, rows, width), self.device, generator),
-                torch.rand((batch, rows), device=self.device, generator=generator),
-                sample_gumbel((batch, vocab), self.device, generator))
-
-
-def _temperature(sampling: Sampling):
-    def transform(t, drafted, scores, candidates=None):
-        return scores / sampling.temperature
-
-    return transform
-
 
 def batched_generate(target, drafter, input_ids, attention_mask, generation_config):
     """`target.generate(batch, attention_mask=..., assistant_model=drafter)` with batch > 1 lands here."""
     max_new_tokens = generation_config.max_new_tokens or (generation_config.max_length - input_ids.shape[1])
-    sampling = Sampling(bool(generation_config.do_sample), generation_config.temperature or 1.0,
-                        generation_config.top_k or 0, generation_config.top_p or 1.0)
-    eos = generation_config.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    sampling = Sampling.from_generation_config(generation_config)
+    eos = eos_token_ids(generation_config)
     pad = generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     if attention_mask is None:

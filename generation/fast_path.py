@@ -62,6 +62,15 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
 
+    @classmethod
+    def from_generation_config(cls, config) -> "Sampling":
+        return cls(bool(config.do_sample), config.temperature or 1.0, config.top_k or 0, config.top_p or 1.0)
+
+
+def eos_token_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
 
 def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """softmax of temperature/top-k/top-p-warped logits (fp32), as transformers' warpers compute them."""
@@ -163,7 +172,7 @@ class StaticDFlash2Decoder:
         hidden = self.draft_block(anchor, start, features, write_positions)
         gumbel_rows, uniform, gumbel_next = noise if sampling.do_sample else (None, None, None)
         proposal = self.drafter.propose(anchor.view(1), hidden, gumbel=gumbel_rows,
-                                        transform=_temperature(sampling) if sampling.do_sample else None)
+                                        transform=draft_temperature(sampling) if sampling.do_sample else None)
         block = torch.cat([anchor.view(1, 1), proposal.tokens], dim=1)
         logits, block_features = self.verify(block, start)
         if sampling.do_sample:
@@ -227,23 +236,33 @@ class StaticDFlash2Decoder:
         return torch.cat([input_ids, torch.tensor([tokens], device=input_ids.device)], dim=1)
 
     def _first_token(self, logits, sampling, generator):
-        if not sampling.do_sample:
-            return logits.argmax(-1)[0]
-        probs = warped_probabilities(logits, sampling)
-        return torch.multinomial(probs, 1, generator=generator)[0, 0]
+        return first_token(logits, sampling, generator)[0]
 
     def _noise(self, sampling, generator):
-        if not sampling.do_sample:
-            return None
-        rows, k = self.block_size - 1, self.drafter.config.selector_top_k
-        width = k if self.drafter.candidate_selector is not None else self.drafter.config.vocab_size
-        vocab = self.drafter.config.vocab_size
-        return (sample_gumbel((1, rows, width), self.device, generator),
-                torch.rand((1, rows), device=self.device, generator=generator),
-                sample_gumbel((1, vocab), self.device, generator))
+        return round_noise(self.drafter, 1, sampling, generator)
 
 
-def _temperature(sampling: Sampling):
+def first_token(logits, sampling: Sampling, generator=None):
+    """The token after the prefill, per row: argmax, or a sample from the warped distribution."""
+    if not sampling.do_sample:
+        return logits.argmax(-1)
+    return torch.multinomial(warped_probabilities(logits, sampling), 1, generator=generator).squeeze(-1)
+
+
+def round_noise(drafter, batch: int, sampling: Sampling, generator=None):
+    """Randomness of one sampling round, drawn up front: Gumbel noise for the draft walk, uniforms for the
+    acceptance tests, Gumbel noise for the residual / bonus sample. None when greedy."""
+    if not sampling.do_sample:
+        return None
+    rows, vocab = drafter.config.block_size - 1, drafter.config.vocab_size
+    width = drafter.config.selector_top_k if drafter.candidate_selector is not None else vocab
+    device = drafter.device
+    return (sample_gumbel((batch, rows, width), device, generator),
+            torch.rand((batch, rows), device=device, generator=generator),
+            sample_gumbel((batch, vocab), device, generator))
+
+
+def draft_temperature(sampling: Sampling):
     """Draft side: temperature only (q need not match p for exactness; it only sets the acceptance rate)."""
 
     def transform(t, drafted, scores, candidates=None):
@@ -262,8 +281,7 @@ def static_generate(target, drafter, input_ids, generation_config, streamer=None
         from generation.integration import _refuse_unsupported_processors
     _refuse_unsupported_processors(generation_config)
     max_new_tokens = generation_config.max_new_tokens or (generation_config.max_length - input_ids.shape[1])
-    sampling = Sampling(bool(generation_config.do_sample), generation_config.temperature or 1.0,
-                        generation_config.top_k or 0, generation_config.top_p or 1.0)
+    sampling = Sampling.from_generation_config(generation_config)
     if compile is None:
         compile = input_ids.device.type == "cuda"
     needed = input_ids.shape[1] + max_new_tokens + drafter.config.block_size
@@ -272,9 +290,7 @@ def static_generate(target, drafter, input_ids, generation_config, streamer=None
     if decoder is None or decoder.target is not target or decoder.compiled != compile or decoder.capacity < needed:
         capacity = _round_up(max(needed, decoder.capacity if decoder is not None else 0), 256)
         decoder = drafter.__dict__["_static_decoder"] = StaticDFlash2Decoder(target, drafter, capacity, compile)
-    eos = generation_config.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return decoder.generate(input_ids, max_new_tokens, sampling, eos, streamer)
+    return decoder.generate(input_ids, max_new_tokens, sampling, eos_token_ids(generation_config), streamer)
 
 
 def _round_up(value: int, multiple: int) -> int:

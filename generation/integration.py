@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -108,9 +109,11 @@ def _split_generate_call(target, args, kwargs):
     """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call."""
     import copy
 
-    # custom_generate forwards every generate argument, most of them None or empty: those ask for nothing
-    kwargs = {k: v for k, v in kwargs.items()
-              if v is not None and not (k in ("synced_gpus", "logits_processor", "stopping_criteria") and not v)}
+    # custom_generate forwards every argument of generate, most of them None or empty: those ask for nothing.
+    # A None that overrides a generation-config field (eos_token_id=None) does ask for something: keep it.
+    config_fields = set(target.generation_config.to_dict())
+    kwargs = {k: v for k, v in kwargs.items() if k in config_fields or (
+        v is not None and not (k in ("synced_gpus", "logits_processor", "stopping_criteria") and not v))}
     drafter = kwargs.pop("assistant_model")
     inputs = args[0] if args else kwargs.pop("inputs", None)
     inputs = inputs if inputs is not None else kwargs.pop("input_ids")
@@ -276,12 +279,36 @@ class DFlash2SpeculativeLM:
 
 
 # ------------------------------------------------------------------------------------------------ export
-def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size: str = "16MB", **kwargs):
-    """Write a self-contained drafter folder atomically (a temporary sibling folder, then a rename)."""
-    save_directory = Path(save_directory)
-    save_directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{save_directory.name}.", dir=save_directory.parent))
+@contextlib.contextmanager
+def atomic_folder(destination):
+    """Yield a temporary sibling folder; on success it replaces `destination` in one rename, on failure it goes.
+
+    Readers see the old folder or the new one, never a half-written one.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
+        yield staging
+        _make_readable(staging)
+        if destination.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old.", dir=destination.parent))
+            os.replace(destination, trash / "x")
+            os.replace(staging, destination)
+            shutil.rmtree(trash)
+        else:
+            os.replace(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size: str = "16MB", **kwargs):
+    """Write a self-contained drafter folder atomically."""
+    save_directory = Path(save_directory)
+    keep = save_directory / "README.md"  # a model card written by hand survives re-exports
+    card = keep.read_text() if keep.exists() else None
+    with atomic_folder(save_directory) as staging:
         drafter._save_weights_and_config(staging, max_shard_size=safe_max_shard_size, **kwargs)
         config_path = staging / "config.json"
         config = json.loads(config_path.read_text())
@@ -293,20 +320,8 @@ def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size:
         shutil.copyfile(_source_file("generation/" + CUSTOM_GENERATE_FILE), staging / CUSTOM_GENERATE_FILE)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        keep = save_directory / "README.md"
-        if keep.exists() and not (staging / "README.md").exists():
-            shutil.copyfile(keep, staging / "README.md")
-        _make_readable(staging)
-        if save_directory.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{save_directory.name}.old.", dir=save_directory.parent))
-            os.replace(save_directory, old / "x")
-            os.replace(staging, save_directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, save_directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        if card is not None and not (staging / "README.md").exists():
+            (staging / "README.md").write_text(card)
     return save_directory
 
 

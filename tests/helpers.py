@@ -48,3 +48,71 @@ def scramble_dflash2_parts(drafter, seed: int):
         for name, parameter in drafter.named_parameters():
             if "conv" in name or "candidate_selector" in name:
                 parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+
+
+# ------------------------------------------------------------------------------------------------ sampling checks
+def chi2_critical(dof: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (alpha_z = 3.09: p = 0.001)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + alpha_z * h ** 0.5) ** 3
+
+
+def exact_distribution_of_step(target, ids, step, processors):
+    """Exact marginal distribution of the token `step` positions after the prompt under the processed target."""
+    sequences = {tuple(ids[0].tolist()): 1.0}
+    for _ in range(step + 1):
+        grown = {}
+        for sequence, weight in sequences.items():
+            prefix = torch.tensor([sequence])
+            with torch.no_grad():
+                logits = target(prefix).logits[:, -1].float()
+            probs = processors(prefix, logits).softmax(-1)[0]
+            for token in probs.nonzero().flatten().tolist():
+                key = sequence + (token,)
+                grown[key] = grown.get(key, 0.0) + weight * float(probs[token])
+        sequences = grown
+    marginal = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+    for sequence, weight in sequences.items():
+        marginal[sequence[-1]] += weight
+    return marginal
+
+
+def assert_follows(counts, expected):
+    """Chi-square goodness of fit of observed `counts` against `expected` counts (rare cells pooled), p > 0.001."""
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token the target gives zero probability"
+    cells = expected[support] >= 5
+    observed = torch.cat([counts[support][cells], counts[support][~cells].sum().view(1)])
+    wanted = torch.cat([expected[support][cells], expected[support][~cells].sum().view(1)])
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    assert statistic < chi2_critical(len(wanted) - 1), statistic
+
+
+def sampling_case(vocab: int = 12):
+    """A flat-ish tiny target (many tokens with real probability) and a drafter whose drafts it sometimes accepts."""
+    target = tiny_target("llama", seed=7, vocab=vocab)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.35)
+    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, mask_token_id=vocab - 1).attach(target)
+    return target, drafter
+
+
+def check_sampling_is_exact(settings, draws, **generate_kwargs):
+    """Speculative samples of the 2nd and 3rd new tokens follow the target's own processed distribution."""
+    target, drafter = sampling_case()
+    ids = torch.tensor([[5, 6, 7]])
+    generation = dict(do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None, **settings)
+    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
+    torch.manual_seed(0)
+    counts = torch.zeros(2, target.config.vocab_size, dtype=torch.float64)
+    accepted = 0
+    for _ in range(draws):
+        out = target.generate(ids, assistant_model=drafter, **generation, **generate_kwargs)
+        for row, step in enumerate((1, 2)):
+            counts[row, out[0, 3 + step]] += 1
+        accepted += drafter.last_stats.accepted_per_position[0]
+    assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
+    for row, step in enumerate((1, 2)):
+        assert_follows(counts[row], exact_distribution_of_step(target, ids, step, processors) * draws)

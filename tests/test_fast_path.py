@@ -7,8 +7,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from generation.fast_path import Sampling, StaticDFlash2Decoder, speculative_accept, warped_probabilities
-from helpers import VOCAB, tiny_drafter, tiny_target
-from test_generation import chi2_critical, exact_distribution_of_step
+from helpers import VOCAB, check_sampling_is_exact, tiny_drafter, tiny_target
 
 
 @pytest.fixture
@@ -137,31 +136,4 @@ def test_speculative_accept_matches_naive_loop():
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.85)])
 def test_static_sampling_reproduces_the_target_distribution(settings):
-    vocab, draws = 12, 1200
-    target = tiny_target("llama", seed=7, vocab=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.35)
-    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, mask_token_id=vocab - 1).attach(target)
-    ids = torch.tensor([[5, 6, 7]])
-    generation = dict(do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None, **settings)
-    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
-    torch.manual_seed(0)
-    counts = torch.zeros(2, vocab, dtype=torch.float64)
-    accepted = 0
-    for _ in range(draws):
-        out = target.generate(ids, assistant_model=drafter, cache_implementation="static", **generation)
-        for row, step in enumerate((1, 2)):
-            counts[row, out[0, 3 + step]] += 1
-        accepted += drafter.last_stats.accepted_per_position[0]
-    assert accepted > draws * 0.05
-    for row, step in enumerate((1, 2)):
-        expected = exact_distribution_of_step(target, ids, step, processors) * draws
-        support = expected > 0
-        assert counts[row][~support].sum() == 0
-        cells = expected[support] >= 5
-        observed = torch.cat([counts[row][support][cells], counts[row][support][~cells].sum().view(1)])
-        wanted = torch.cat([expected[support][cells], expected[support][~cells].sum().view(1)])
-        if wanted[-1] == 0:
-            observed, wanted = observed[:-1], wanted[:-1]
-        statistic = float(((observed - wanted) ** 2 / wanted).sum())
-        assert statistic < chi2_critical(len(wanted) - 1), (settings, step, statistic)
+    check_sampling_is_exact(settings, draws=1200, cache_implementation="static")

@@ -1,6 +1,5 @@
 """DFlash 2 inside `target.generate(assistant_model=drafter)`: lossless greedy, exact sampling, entry points, errors."""
 
-import math
 import os
 import random
 import subprocess
@@ -14,7 +13,7 @@ from transformers import pipeline
 
 from generation import DFlash2CandidateGenerator, detach
 from generation.candidate_generator import cut_after_eos
-from helpers import EOS, VOCAB, tiny_drafter, tiny_target
+from helpers import EOS, VOCAB, check_sampling_is_exact, tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,63 +121,9 @@ def test_dflash1_drafter_greedy_is_lossless():
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-def chi2_critical(dof: int, alpha_z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (alpha_z = 3.09: p = 0.001)."""
-    h = 2.0 / (9.0 * dof)
-    return dof * (1.0 - h + alpha_z * math.sqrt(h)) ** 3
-
-
-def exact_distribution_of_step(target, ids, step, processors):
-    """Exact marginal distribution of the token `step` positions after the prompt under the processed target."""
-    sequences = {tuple(ids[0].tolist()): 1.0}
-    for _ in range(step + 1):
-        grown = {}
-        for sequence, weight in sequences.items():
-            prefix = torch.tensor([sequence])
-            with torch.no_grad():
-                logits = target(prefix).logits[:, -1].float()
-            probs = processors(prefix, logits).softmax(-1)[0]
-            for token in probs.nonzero().flatten().tolist():
-                key = sequence + (token,)
-                grown[key] = grown.get(key, 0.0) + weight * float(probs[token])
-        sequences = grown
-    marginal = torch.zeros(target.config.vocab_size, dtype=torch.float64)
-    for sequence, weight in sequences.items():
-        marginal[sequence[-1]] += weight
-    return marginal
-
-
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_p=0.8)])
 def test_speculative_sampling_reproduces_the_target_distribution(settings):
-    vocab, draws = 12, 1500
-    target = tiny_target("llama", seed=7, vocab=vocab)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.35)  # a flatter target: many tokens have real probability
-    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, mask_token_id=vocab - 1).attach(target)
-    ids = torch.tensor([[5, 6, 7]])
-    generation = dict(do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None, **settings)
-    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
-
-    torch.manual_seed(0)
-    counts = torch.zeros(2, vocab, dtype=torch.float64)
-    accepted = 0
-    for _ in range(draws):
-        out = target.generate(ids, assistant_model=drafter, **generation)
-        for row, step in enumerate((1, 2)):
-            counts[row, out[0, 3 + step]] += 1
-        accepted += drafter.last_stats.accepted_per_position[0]
-    assert accepted > draws * 0.05, "the drafter never got a draft accepted: the test would not test rejection"
-    for row, step in enumerate((1, 2)):
-        expected = exact_distribution_of_step(target, ids, step, processors) * draws
-        support = expected > 0
-        assert counts[row][~support].sum() == 0, "sampled a token the target gives zero probability"
-        cells = expected[support] >= 5  # pool rare cells into one, as the chi-square approximation needs
-        observed = torch.cat([counts[row][support][cells], counts[row][support][~cells].sum().view(1)])
-        wanted = torch.cat([expected[support][cells], expected[support][~cells].sum().view(1)])
-        if wanted[-1] == 0:
-            observed, wanted = observed[:-1], wanted[:-1]
-        statistic = float(((observed - wanted) ** 2 / wanted).sum())
-        assert statistic < chi2_critical(len(wanted) - 1), (settings, step, statistic)
+    check_sampling_is_exact(settings, draws=1500)
 
 
 # ------------------------------------------------------------------------------------------------ entry points

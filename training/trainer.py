@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,10 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from modeling_dflash2 import DFlash2DraftModel, bilinear_scores
-except ImportError:  # pragma: no cover - the package layout is flat
-    raise
+from generation.integration import atomic_folder
+from modeling_dflash2 import DFlash2DraftModel, bilinear_scores
 
 
 @dataclass
@@ -219,20 +214,11 @@ def learning_rate_factor(progress: float, warmup_fraction: float) -> float:
 
 
 def save_checkpoint(drafter, optimizer, step: int, directory: Path, train_config: TrainConfig) -> None:
-    """Atomic: write into a temporary sibling folder, then rename over the old checkpoint."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    drafter.save_pretrained(staging / "drafter")
-    torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_config": asdict(train_config),
-                "rng": torch.get_rng_state()}, staging / "trainer_state.pt")
-    if directory.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=directory.parent))
-        os.replace(directory, trash / "x")
-        os.replace(staging, directory)
-        shutil.rmtree(trash)
-    else:
-        os.replace(staging, directory)
+    """Atomic: the whole checkpoint folder appears at once or not at all."""
+    with atomic_folder(directory) as staging:
+        drafter.save_pretrained(staging / "drafter")
+        torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_config": asdict(train_config),
+                    "rng": torch.get_rng_state()}, staging / "trainer_state.pt")
 
 
 def train(drafter, target, sequences, train_config: TrainConfig, output_dir, held_out=None, resume: bool = True,

@@ -449,15 +449,19 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
     def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Raw lookup in the target's embedding matrix (no model-specific scaling or norm) times the input scale."""
-        weight = self._target_part("embed").weight
-        embeds = F.embedding(block_ids.to(weight.device), weight).to(self.device, self.dtype)
+        embedding = self._target_part("embed")
+        if type(embedding) is nn.Embedding:  # a plain table: calling it lets device_map/offload hooks place it
+            embeds = embedding(block_ids.to(_execution_device(embedding, block_ids.device)))
+        else:  # subclasses scale or normalise in forward: read the raw table
+            embeds = F.embedding(block_ids.to(embedding.weight.device), embedding.weight)
+        embeds = embeds.to(self.device, self.dtype)
         scale = self.config.input_embedding_scale
         return embeds if scale == 1.0 else embeds * scale
 
     def unary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head on final-normed draft rows, times output_multiplier, then the optional softcap."""
         head = self._target_part("head")
-        logits = head(hidden.to(head.weight.device, head.weight.dtype)).to(hidden.device)
+        logits = head(hidden.to(_execution_device(head, hidden.device), head.weight.dtype)).to(hidden.device)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -571,6 +575,16 @@ def per_row_choice(logits: torch.Tensor, gumbel: torch.Tensor | None, transform:
         return DraftProposal(torch.stack(tokens, dim=1), torch.stack(rows, dim=1))
     tokens = (logits if gumbel is None else logits + gumbel).argmax(-1)
     return DraftProposal(tokens, logits)
+
+
+def _execution_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    """Where `module` computes: its weight's device, or (weights offloaded by accelerate) the hook's device."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device) if not isinstance(hook.execution_device, int) else torch.device(
+            "cuda", hook.execution_device)
+    device = module.weight.device
+    return fallback if device.type == "meta" else device
 
 
 def _integration():
