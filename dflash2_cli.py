@@ -90,18 +90,23 @@ def timed(call, device):
 
 
 def command_bench(args) -> None:
-    from benchmarks.bench import markdown_table, run_benchmark, write_reports
+    from benchmarks.bench import markdown_table, run_batched_benchmark, run_benchmark, write_reports
     from modeling_dflash2 import DFlash2DraftModel
 
-    if args.batch_size != 1:
-        sys.exit("dflash2 bench: --batch-size > 1 needs the batched loop, which this version does not have yet; "
-                 "use --batch-size 1.")
     target, tokenizer, drafter = load_pair(args)
+    command = "dflash2 " + " ".join(sys.argv[1:])
+    if args.batch_sizes:  # throughput at several batch sizes instead of the per-method table
+        results = {"settings": {"command": command, "device": str(drafter.device), "dtype": str(drafter.dtype)},
+                   "batched": run_batched_benchmark(target, tokenizer, drafter, args.batch_sizes, args.tasks[-1],
+                                                    args.max_new_tokens)}
+        written = write_reports(results, args.out)
+        print(markdown_table(results))
+        print("wrote " + ", ".join(str(p) for p in written))
+        return
     drafters = {"dflash2": drafter}
     if args.dflash1_drafter:
         dflash1 = DFlash2DraftModel.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
-    command = "dflash2 " + " ".join(sys.argv[1:])
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             static=args.static,
@@ -140,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dflash1-drafter", default=None, help="a DFlash 1 drafter folder to compare as well")
     bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"])
     bench.add_argument("--num-prompts", type=int, default=8, help="prompts per task")
-    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                       help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy)")
     bench.add_argument("--static", action="store_true",
                        help="also time plain generate and DFlash 2 with static caches (compiled on CUDA)")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")

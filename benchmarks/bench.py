@@ -168,9 +168,52 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     return results
 
 
+def run_batched_benchmark(target, tokenizer, drafter, batch_sizes=(1, 8, 32), task: str = "mtbench",
+                          max_new_tokens: int = 128, progress: bool = True) -> dict:
+    """Throughput of plain batched `generate` against batched DFlash 2 (greedy, left-padded prompts)."""
+    device = target.get_output_embeddings().weight.device
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = task_prompts(task)
+    rows = {}
+    for batch in batch_sizes:
+        chosen = [prompts[i % len(prompts)] for i in range(batch)]
+        encoded = [chat_prompt_ids(tokenizer, p) for p in chosen]
+        width = max(len(e) for e in encoded)
+        ids = torch.full((batch, width), pad, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, e in enumerate(encoded):
+            ids[row, width - len(e):] = torch.tensor(e)
+            mask[row, width - len(e):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        row = {}
+        for name, extra in (("plain", {}), ("dflash2", {"assistant_model": drafter})):
+            kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                          **extra)
+            target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
+            _sync(device)
+            with ForwardCounter(target) as counter:
+                started = time.perf_counter()
+                out = target.generate(ids, **kwargs)
+                _sync(device)
+                seconds = time.perf_counter() - started
+            generated = out[:, width:]
+            tokens = int((generated != pad).sum())
+            row[name] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
+                         "target_forwards": counter.count}
+        row["dflash2"]["tau_per_row"] = round(row["dflash2"]["tokens"] / batch / max(row["dflash2"]["target_forwards"],
+                                                                                     1), 3)
+        row["speedup"] = round(row["dflash2"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+        rows[str(batch)] = row
+        if progress:
+            print(f"batch {batch}: plain {row['plain']['tokens_per_s']} tok/s, dflash2 "
+                  f"{row['dflash2']['tokens_per_s']} tok/s, speedup {row['speedup']}", flush=True)
+    return {"task": task, "max_new_tokens": max_new_tokens, "batches": rows}
+
+
 def markdown_table(results: dict) -> str:
     lines = []
-    for task, methods in results["tasks"].items():
+    for task, methods in results.get("tasks", {}).items():
         lines += [f"### {task}", "",
                   "| method | tau | tokens/s | speedup | greedy exact match | greedy token agreement |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -185,6 +228,13 @@ def markdown_table(results: dict) -> str:
             for name, rates in positions.items():
                 lines.append(f"| {name} | " + " | ".join(f"{r:.2f}" for r in rates) + " |")
         lines.append("")
+    if "batched" in results:
+        lines += ["### batched (greedy)", "", "| batch | plain tok/s | DFlash 2 tok/s | speedup | τ per row |",
+                  "| --- | --- | --- | --- | --- |"]
+        for batch, row in results["batched"]["batches"].items():
+            lines.append(f"| {batch} | {row['plain']['tokens_per_s']} | {row['dflash2']['tokens_per_s']} | "
+                         f"{row['speedup']} | {row['dflash2']['tau_per_row']} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -195,6 +245,8 @@ def write_reports(results: dict, out_dir) -> list[Path]:
     written = [out_dir / "results.json", out_dir / "results.md"]
     written[0].write_text(json.dumps(results, indent=2) + "\n")
     written[1].write_text(markdown_table(results))
+    if "tasks" not in results:
+        return written
     try:
         import matplotlib
 

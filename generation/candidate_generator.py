@@ -93,7 +93,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             return input_ids, None
 
         # rows of the last target forward that are now verified: the whole prompt after prefill, else anchor + accepted
-        num_new = input_ids.shape[1] - 1 - self.context_length if self.context_length == 0 else int(n_last_matches) + 1
+        num_new = input_ids.shape[1] - 1 if self.context_length == 0 else int(n_last_matches) + 1
         features = target_features(model_outputs, self.layer_ids, num_new)
         block_hidden = self.draft_block(input_ids[:, -1], features)
         proposal = self.drafter.propose(
