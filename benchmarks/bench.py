@@ -71,6 +71,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def timed_generate(target, ids, kwargs, device):
+    """One generate call: output, wall seconds (device synchronised), target forwards."""
+    _sync(device)
+    with ForwardCounter(target) as counter:
+        started = time.perf_counter()
+        out = target.generate(ids, **kwargs)
+        _sync(device)
+        seconds = time.perf_counter() - started
+    return out, seconds, counter.count
+
+
 def method_kwargs(name: str, drafters: dict) -> dict:
     if name in ("plain",):
         return {}
@@ -132,17 +143,12 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
                               **method_kwargs(name, drafters))
                 torch.manual_seed(seed + index)
-                _sync(device)
-                with ForwardCounter(target) as counter:
-                    started = time.perf_counter()
-                    out = target.generate(ids, **kwargs)
-                    _sync(device)
-                    seconds = time.perf_counter() - started
+                out, seconds, forwards = timed_generate(target, ids, kwargs, device)
                 new = out[0, ids.shape[1]:].tolist()
                 result = per_method[name]
                 result.tokens += len(new)
                 result.seconds += seconds
-                result.target_forwards += counter.count
+                result.target_forwards += forwards
                 result.prompts += 1
                 if name == "plain":
                     plain_tokens = new
@@ -191,16 +197,11 @@ def run_batched_benchmark(target, tokenizer, drafter, batch_sizes=(1, 8, 32), ta
             kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
                           **extra)
             target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
-            _sync(device)
-            with ForwardCounter(target) as counter:
-                started = time.perf_counter()
-                out = target.generate(ids, **kwargs)
-                _sync(device)
-                seconds = time.perf_counter() - started
+            out, seconds, forwards = timed_generate(target, ids, kwargs, device)
             generated = out[:, width:]
             tokens = int((generated != pad).sum())
             row[name] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-                         "target_forwards": counter.count}
+                         "target_forwards": forwards}
         row["dflash2"]["tau_per_row"] = round(row["dflash2"]["tokens"] / batch / max(row["dflash2"]["target_forwards"],
                                                                                      1), 3)
         row["speedup"] = round(row["dflash2"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)

