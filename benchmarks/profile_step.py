@@ -74,22 +74,15 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
         "t_draft": median_time(draft, device, repeats),
         "t_select": median_time(select, device, repeats),
     }
-    # a real generate call: the whole round, loop overhead included
-    gen_ids = ids
-    target.generate(gen_ids, assistant_model=drafter, max_new_tokens=16, do_sample=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    result = target.generate(gen_ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    total = time.perf_counter() - started
+    # real generate calls: the whole round, loop overhead included, against plain decoding
+    from benchmarks.bench import timed_generate
+
+    speculative = dict(assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    target.generate(ids, **{**speculative, "max_new_tokens": 16})  # warm-up
+    _, total, _ = timed_generate(target, ids, speculative, device)
     stats = drafter.last_stats
-    plain_started = time.perf_counter()
-    plain = target.generate(gen_ids, max_new_tokens=max_new_tokens, do_sample=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    plain_total = time.perf_counter() - plain_started
+    plain, plain_total, _ = timed_generate(target, ids, dict(max_new_tokens=max_new_tokens, do_sample=False), device)
+    gen_ids = ids
     rounds = stats.target_forwards
     timings["t_round_measured"] = total / rounds
     timings["t_plain_step_measured"] = plain_total / (plain.shape[1] - gen_ids.shape[1])
@@ -116,7 +109,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.")
-    parser.add_argument("--context", type=int, default=512, help="cache length the step times are taken at")
+    parser.add_argument("--context", type=int, default=0,
+                        help="pad the prompt with random tokens to this cache length for the isolated timings (0: the"
+                             " prompt alone, the context the measured generate call starts from)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     target, tokenizer, drafter = load_pair(args)

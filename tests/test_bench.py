@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
