@@ -23,6 +23,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+# transformers 5.24 renamed the outputs' `past_key_values` to `cache` (the old name still works, with a warning)
+_OUTPUT_CACHE = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
 try:  # flat remote-code folder (transformers_modules.*) or this repository
     from .configuration_dflash2 import DFlash2Config
 except ImportError:
@@ -515,7 +518,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, position_embeddings, mask, past_key_values, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUTPUT_CACHE: past_key_values})
 
     def _attention_mask(self, attention_mask, position_ids, cache, num_context, num_rows):
         """None when every row may see every key; otherwise a boolean [b, 1, rows, keys] mask."""
