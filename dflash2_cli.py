@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parent / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
@@ -46,6 +45,7 @@ def command_generate(args) -> None:
     import torch
     from transformers import TextStreamer
 
+    from benchmarks.bench import timed_generate
     from generation.integration import chat_prompt_ids
 
     target, tokenizer, drafter = load_pair(args)
@@ -61,32 +61,20 @@ def command_generate(args) -> None:
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    seconds, out = timed(lambda: target.generate(ids, assistant_model=drafter, streamer=streamer, **kwargs),
-                         drafter.device)
+    out, seconds, _ = timed_generate(target, ids, dict(assistant_model=drafter, streamer=streamer, **kwargs),
+                                     drafter.device)
     new_tokens = out.shape[1] - ids.shape[1]
     stats = drafter.last_stats
     line = (f"[dflash2] tau {stats.acceptance_length:.2f} | {new_tokens} tokens in {seconds:.2f} s = "
             f"{new_tokens / seconds:.1f} tok/s")
     if not args.no_baseline:
-        plain_seconds, plain = timed(lambda: target.generate(ids, **kwargs), drafter.device)
+        plain, plain_seconds, _ = timed_generate(target, ids, kwargs, drafter.device)
         plain_rate = (plain.shape[1] - ids.shape[1]) / plain_seconds
         line += f" | plain generate {plain_rate:.1f} tok/s | speedup {new_tokens / seconds / plain_rate:.2f}x"
         if args.temperature == 0:
             line += " | identical to plain greedy" if torch.equal(out, plain) else " | differs from plain greedy"
     line += f" | {drafter.device}, {str(drafter.dtype).replace('torch.', '')}"
     print(line, flush=True)
-
-
-def timed(call, device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    out = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started, out
 
 
 def command_bench(args) -> None:

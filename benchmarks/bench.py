@@ -66,18 +66,18 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def _sync(device):
+def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def timed_generate(target, ids, kwargs, device):
     """One generate call: output, wall seconds (device synchronised), target forwards."""
-    _sync(device)
+    synchronize(device)
     with ForwardCounter(target) as counter:
         started = time.perf_counter()
         out = target.generate(ids, **kwargs)
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
     return out, seconds, counter.count
 

@@ -25,6 +25,7 @@ def split_layers(config, devices: list) -> dict:
 def main(argv=None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.bench import synchronize
     from benchmarks.tasks import task_prompts
     from dflash2_cli import DEFAULT_DRAFTER
     from generation.integration import chat_prompt_ids, resolve_target_location
@@ -41,7 +42,6 @@ def main(argv=None):
     if len(devices) < 2:
         raise SystemExit(f"needs at least 2 devices, found {devices}")
     first = torch.device(devices[0] if isinstance(devices[0], str) else f"cuda:{devices[0]}")
-    synchronize = torch.cuda.synchronize if first.type == "cuda" else (lambda: None)
 
     drafter = DFlash2DraftModel.from_pretrained(args.drafter, dtype=torch.float32)
     location = resolve_target_location(drafter.config.target_name_or_path)
@@ -63,14 +63,14 @@ def main(argv=None):
         if index == 0:
             target.generate(ids, **{**kwargs, "max_new_tokens": 8})
             target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
-        synchronize()
+        synchronize(first)
         started = time.perf_counter()
         plain = target.generate(ids, **kwargs)
-        synchronize()
+        synchronize(first)
         report["plain_s"] += time.perf_counter() - started
         started = time.perf_counter()
         speculative = target.generate(ids, assistant_model=drafter, **kwargs)
-        synchronize()
+        synchronize(first)
         report["dflash2_s"] += time.perf_counter() - started
         report["identical"] += int(torch.equal(plain.cpu(), speculative.cpu()))
         report["tokens"] += speculative.shape[1] - ids.shape[1]

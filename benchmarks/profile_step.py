@@ -16,16 +16,16 @@ import torch
 
 
 def median_time(call, device, repeats: int) -> float:
+    from benchmarks.bench import synchronize
+
     for _ in range(3):
         call()
     samples = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples)
 

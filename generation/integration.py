@@ -128,6 +128,7 @@ def _split_generate_call(target, args, kwargs):
     if unknown:
         raise ValueError(f"DFlash 2's own loops do not take {sorted(unknown)}; drop them (or use batch 1 without "
                          "cache_implementation='static' for transformers' assisted loop).")
+    _refuse_unsupported_processors(config)
     return drafter, inputs, attention_mask, streamer, compile_flag, config
 
 
@@ -150,7 +151,6 @@ def _batched_generate(target, args, kwargs):
     drafter, inputs, attention_mask, streamer, _, config = _split_generate_call(target, args, kwargs)
     if streamer is not None:
         raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
-    _refuse_unsupported_processors(config)
     return batched_generate(target, drafter, inputs, attention_mask, config)
 
 
@@ -217,12 +217,13 @@ def resolve_target_location(name_or_path: str) -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def load_target(config, target=None, gguf_file=None, dtype=None, device_map=None):
-    """The target model and tokenizer a drafter config names (`target_name_or_path`, `target_gguf_file`)."""
+def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map=None):
+    """The target model and tokenizer: `target` (+ `gguf_file`) if given, else the one a drafter config names
+    (`target_name_or_path`, `target_gguf_file`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = target or config.target_name_or_path
+    name = target or getattr(config, "target_name_or_path", None)
     if not name:
         raise ValueError(
             "This drafter's config names no target. Pass one: `target=<hub id or path>` (and `gguf_file=` for GGUF)."

@@ -63,7 +63,7 @@ def test_training_lowers_loss_and_raises_tau(tmp_path):
     data = self_distilled(target, 48)
     held_out, sequences = data[:8], data[8:]
     drafter = tiny_drafter(target, seed=3, identity=True, block_size=4).bind_target(target)
-    untrained = held_out_tau(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids, 4.0,
+    untrained = held_out_tau(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
                              torch.device("cpu"))
     config = TrainConfig(anchors_per_sequence=16, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=300,
                          eval_every=1000, checkpoint_every=1000, log_every=50)

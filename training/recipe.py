@@ -66,8 +66,7 @@ def run(args) -> Path:
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config_stub = DFlash2Config(target_name_or_path=args.target, target_gguf_file=args.gguf_file)
-    target, tokenizer = load_target(config_stub, dtype=dtype)
+    target, tokenizer = load_target(target=args.target, gguf_file=args.gguf_file, dtype=dtype)
     target.to(device).eval()
     for parameter in target.parameters():
         parameter.requires_grad_(False)

@@ -105,19 +105,24 @@ def position_weights(block_size: int, gamma: float, device) -> torch.Tensor:
     return weights
 
 
+def denoise_blocks(drafter: DFlash2DraftModel, features, token_ids, anchors):
+    """All blocks of a batch in one drafter forward. Returns hidden [b, N, B, H] and block ids [b, N*B]."""
+    config = drafter.config
+    block_ids, positions, _ = block_inputs(token_ids, anchors, config.block_size, config.mask_token_id)
+    mask = block_attention_mask(anchors.to(token_ids.device), token_ids.shape[1], config.block_size)
+    hidden = drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
+                     position_ids=positions, attention_mask=mask).last_hidden_state
+    return hidden.unflatten(1, (-1, config.block_size)), block_ids
+
+
 def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float):
     """Cross-entropy of the draft rows and the selector loss, plus accuracy statistics."""
     config = drafter.config
     block_size = config.block_size
     response_targets = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
-    block_ids, positions, _ = block_inputs(token_ids, anchors, block_size, config.mask_token_id)
     _, _, targets = block_inputs(response_targets, anchors, block_size, config.mask_token_id)
     targets[:, :, 0] = -100
-    mask = block_attention_mask(anchors.to(token_ids.device), token_ids.shape[1], block_size)
-    hidden = drafter(
-        noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features, position_ids=positions,
-        attention_mask=mask,
-    ).last_hidden_state.unflatten(1, (-1, block_size))  # [b, N, B, H]
+    hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)  # [b, N, B, H]
     draft_hidden = hidden[:, :, 1:]
     draft_targets = targets[:, :, 1:]
     valid = draft_targets >= 0
@@ -156,7 +161,7 @@ def estimate_acceptance_length(top1_by_position_correct: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def held_out_tau(drafter, target, batches, layer_ids, gamma, device) -> float:
+def held_out_tau(drafter, target, batches, layer_ids, device) -> float:
     """tau estimate on held-out sequences: the selector's greedy walk at random anchors vs the target's tokens."""
     drafter.eval()
     correct_rows = []
@@ -164,13 +169,10 @@ def held_out_tau(drafter, target, batches, layer_ids, gamma, device) -> float:
         token_ids, response_mask = token_ids.to(device), response_mask.to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
         anchors = sample_anchors(response_mask, 16, torch.Generator().manual_seed(1234)).to(device)
-        block_ids, positions, targets = block_inputs(token_ids, anchors, drafter.config.block_size,
-                                                     drafter.config.mask_token_id)
-        mask = block_attention_mask(anchors, token_ids.shape[1], drafter.config.block_size)
+        _, _, targets = block_inputs(token_ids, anchors, drafter.config.block_size, drafter.config.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
-                             position_ids=positions, attention_mask=mask).last_hidden_state
-        hidden = hidden.float().unflatten(1, (-1, drafter.config.block_size)).flatten(0, 1)  # [b*N, B, H]
+            hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
+        hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
         anchor_ids = block_ids.view(-1, drafter.config.block_size)[:, 0]
         drafts = drafter.propose(anchor_ids, hidden.to(drafter.dtype)).tokens
         truth = targets.flatten(0, 1)[:, 1:]
@@ -289,7 +291,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
         if held_out_batches and step % train_config.eval_every == 0:
-            tau = held_out_tau(drafter, target, held_out_batches, layer_ids, gamma, device)
+            tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device)
             history.append({"step": step, "held_out_tau": tau})
             log(json.dumps({"step": step, "held_out_tau": round(tau, 3)}))
         if step % train_config.checkpoint_every == 0:
@@ -297,7 +299,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     if bar is not None:
         bar.close()
     if held_out_batches:
-        tau = held_out_tau(drafter, target, held_out_batches, layer_ids, gamma, device)
+        tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device)
         history.append({"step": step, "held_out_tau": tau, "final": True})
         log(json.dumps({"step": step, "held_out_tau": round(tau, 3), "final": True}))
     save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config)

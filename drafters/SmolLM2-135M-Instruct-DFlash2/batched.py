@@ -14,11 +14,11 @@ import torch
 from transformers import DynamicCache
 
 try:  # flat remote-code folder or this repository
-    from .candidate_generator import DFlash2Stats
+    from .candidate_generator import DFlash2Stats, truncate_at_eos
     from .fast_path import (Sampling, StaticDraftCache, draft_temperature, eos_token_ids, first_token, greedy_accept,
                             round_noise, speculative_accept, warped_probabilities)
 except ImportError:
-    from generation.candidate_generator import DFlash2Stats
+    from generation.candidate_generator import DFlash2Stats, truncate_at_eos
     from generation.fast_path import (Sampling, StaticDraftCache, draft_temperature, eos_token_ids, first_token,
                                       greedy_accept, round_noise, speculative_accept, warped_probabilities)
 
@@ -54,7 +54,7 @@ class BatchedDFlash2Decoder:
         self.valid[:, write_slots] = write_valid
         block_ids = torch.full((batch, block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = anchor
-        context_positions = (self._positions_of(write_slots)).to(self.device)
+        context_positions = self.slot_positions[:, write_slots]
         block_positions = start.view(-1, 1) + torch.arange(block, device=self.device).view(1, -1)
         positions = torch.cat([context_positions, block_positions], dim=1)
         visible = self.valid.view(batch, 1, 1, -1).expand(batch, 1, block, -1)
@@ -62,9 +62,6 @@ class BatchedDFlash2Decoder:
         self.draft_cache.write_positions = write_slots
         return drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
                        position_ids=positions, attention_mask=mask, cache=self.draft_cache).last_hidden_state
-
-    def _positions_of(self, slots):
-        return self.slot_positions[:, slots]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows from every buffer (their work stops here)."""
@@ -79,7 +76,7 @@ class BatchedDFlash2Decoder:
                  pad_token_id: int, generator=None):
         batch, prompt_length = input_ids.shape
         block = self.block_size
-        stats = DFlash2Stats(block)
+        stats = DFlash2Stats(block, rows=batch)
         self.drafter.last_stats = stats
         attention_mask = attention_mask.to(self.device).bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -87,7 +84,7 @@ class BatchedDFlash2Decoder:
         self.slot_positions[:, :prompt_length] = positions
         logits, features, slots = self.verify(input_ids.to(self.device), positions, attention_mask)
         self.slots = prompt_length
-        stats.target_forwards += 1
+        stats.target_forwards += batch  # each row's prefill
         first = first_token(logits[:, -1], sampling, generator)
         outputs = [[int(t)] for t in first.tolist()]
         rows = list(range(batch))  # original row of each live row
@@ -114,27 +111,20 @@ class BatchedDFlash2Decoder:
                                                                    device=self.device))
             self.slot_positions[:, write_slots] = block_positions
             self.slots += block
-            stats.target_forwards += 1
             if sampling.do_sample:
                 accepted, next_token = speculative_accept(proposal.tokens, proposal.proposal_logits.softmax(-1),
                                                           warped_probabilities(logits, sampling), noise[1], noise[2])
             else:
                 accepted, next_token = greedy_accept(proposal.tokens, logits)
-            # the verify forward saw the whole block; from now on each row sees only anchor + its accepted drafts
+            # the verify forward saw the whole block; from the next draft on (draft_block stores it) each row sees
+            # only its anchor and accepted drafts in these slots
             write_valid = torch.arange(block, device=self.device).view(1, -1) <= accepted.view(-1, 1)
-            self.valid[:, write_slots] = write_valid
             accepted_list, next_list, drafted = accepted.tolist(), next_token.tolist(), tokens[:, 1:].tolist()
             still = []
             for live_index, row in enumerate(rows):
                 count = accepted_list[live_index]
-                for position in range(count):
-                    stats.accepted_per_position[position] += 1
-                new = drafted[live_index][:count] + [next_list[live_index]]
-                for index, token in enumerate(new):
-                    if token in eos:
-                        new = new[: index + 1]
-                        break
-                outputs[row] += new
+                stats.record_round(count)
+                outputs[row] += truncate_at_eos(drafted[live_index][:count] + [next_list[live_index]], eos)
                 if len(outputs[row]) < max_new_tokens and outputs[row][-1] not in eos:
                     still.append(live_index)
             start = start + accepted + 1

@@ -13,19 +13,22 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 try:  # flat remote-code folder or this repository
-    from .modeling_dflash2 import new_draft_cache, sample_gumbel
+    from .modeling_dflash2 import draft_gumbel, new_draft_cache
 except ImportError:
-    from modeling_dflash2 import new_draft_cache, sample_gumbel
+    from modeling_dflash2 import draft_gumbel, new_draft_cache
 
 
 @dataclass
 class DFlash2Stats:
-    """What one `generate` call did. `acceptance_length` (tau) = completion tokens / target forwards (prefill included)."""
+    """What one `generate` call did. `acceptance_length` (tau) = completion tokens / target forwards (prefill included).
+
+    For a batch every count is per row (`rows` sequences): tau is then the mean tokens a row gains per verification.
+    """
 
     block_size: int
+    rows: int = 1
     target_forwards: int = 0
     completion_tokens: int = 0
-    drafted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -38,17 +41,17 @@ class DFlash2Stats:
 
     @property
     def drafting_rounds(self) -> int:
-        return max(self.target_forwards - 1, 0)
+        return max(self.target_forwards - self.rows, 0)  # every row's prefill is a forward without drafts
 
     def acceptance_rate_per_position(self) -> list[float]:
         rounds = max(self.drafting_rounds, 1)
         return [count / rounds for count in self.accepted_per_position]
 
-    def merge(self, other: "DFlash2Stats") -> None:
-        self.target_forwards += other.target_forwards
-        self.completion_tokens += other.completion_tokens
-        self.drafted_tokens += other.drafted_tokens
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+    def record_round(self, accepted: int) -> None:
+        """One verification forward that accepted the first `accepted` drafts of its block."""
+        self.target_forwards += 1
+        for position in range(min(accepted, self.block_size - 1)):
+            self.accepted_per_position[position] += 1
 
     def summary(self) -> str:
         rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position())
@@ -99,11 +102,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         proposal = self.drafter.propose(
             input_ids[:, -1],
             block_hidden,
-            gumbel=self._gumbel(block_hidden) if self.do_sample else None,
+            gumbel=draft_gumbel(self.drafter, block_hidden.shape[0]) if self.do_sample else None,
             transform=self._processor_transform(input_ids) if self.logits_processor is not None else None,
         )
         drafts = cut_after_eos(proposal.tokens[:, :room], self.eos_token_ids)
-        self.stats.drafted_tokens += drafts.shape[1]
         candidate_logits = proposal.proposal_logits[:, : drafts.shape[1]] if self.do_sample else None
         return torch.cat([input_ids, drafts.to(input_ids.device)], dim=-1), candidate_logits
 
@@ -127,10 +129,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.cache.crop(-self.block_size)  # the block was appended after the context: drop it
         return hidden
 
-    def _gumbel(self, block_hidden):
-        width = self.drafter.config.selector_top_k if self.drafter.candidate_selector is not None else self.vocab_size
-        return sample_gumbel((block_hidden.shape[0], self.block_size - 1, width), block_hidden.device)
-
     def _processor_transform(self, input_ids):
         """Apply the target's logits processors (temperature, top-k/p, penalties...) to each draft row's scores."""
         processors, vocab = self.logits_processor, self.vocab_size
@@ -147,11 +145,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        num_matches = int(num_matches)
-        self.stats.target_forwards += 1
+        self.stats.record_round(int(num_matches))
         self.stats.completion_tokens = input_ids.shape[1] - self.prompt_length
-        for position in range(min(num_matches, self.block_size - 1)):
-            self.stats.accepted_per_position[position] += 1
 
 
 def target_features(model_outputs, layer_ids: list[int], num_rows: int) -> torch.Tensor:
@@ -159,6 +154,14 @@ def target_features(model_outputs, layer_ids: list[int], num_rows: int) -> torch
     hidden_states = model_outputs.hidden_states
     device = hidden_states[layer_ids[0] + 1].device
     return torch.cat([hidden_states[i + 1][:, :num_rows].to(device) for i in layer_ids], dim=-1)
+
+
+def truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Host-side twin of `cut_after_eos` for the token lists our own loops emit."""
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1]
+    return tokens
 
 
 def cut_after_eos(drafts: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

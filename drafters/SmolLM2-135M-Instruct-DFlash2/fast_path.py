@@ -18,11 +18,11 @@ import torch
 from transformers import StaticCache
 
 try:  # flat remote-code folder or this repository
-    from .candidate_generator import DFlash2Stats
-    from .modeling_dflash2 import sample_gumbel
+    from .candidate_generator import DFlash2Stats, truncate_at_eos
+    from .modeling_dflash2 import draft_gumbel, sample_gumbel
 except ImportError:
-    from generation.candidate_generator import DFlash2Stats
-    from modeling_dflash2 import sample_gumbel
+    from generation.candidate_generator import DFlash2Stats, truncate_at_eos
+    from modeling_dflash2 import draft_gumbel, sample_gumbel
 
 
 # ------------------------------------------------------------------------------------------------ drafter context
@@ -197,30 +197,25 @@ class StaticDFlash2Decoder:
         start = torch.tensor(0, device=self.device)
         logits, features = self.verify(input_ids, start)  # prefill: positions 0..P-1
         stats.target_forwards += 1
-        first = self._first_token(logits[:, -1], sampling, generator)
+        first = first_token(logits[:, -1], sampling, generator)[0]
         tokens = [int(first)]
         write_positions = torch.arange(prompt_length, device=self.device)
         start = torch.tensor(prompt_length, device=self.device)
         anchor = first.view(())
         eos = set(eos_token_ids or ())
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            noise = self._noise(sampling, generator)
+            noise = round_noise(self.drafter, 1, sampling, generator)
             # the first round carries the whole prompt's features (its own shape): keep it out of the compiled graph
             run = self._round if stats.target_forwards == 1 else self.round
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # a new iteration: earlier graph outputs may be reused
             block, accepted, next_token, block_features = run(anchor, start, features, write_positions, sampling,
                                                               noise)
-            block_features, next_token, accepted = block_features.clone(), next_token.clone(), accepted.clone()
+            if self.compiled:  # graph outputs are overwritten by the next replay: keep what the next round reads
+                block_features, next_token, accepted = block_features.clone(), next_token.clone(), accepted.clone()
             count = int(accepted)  # the round's one host synchronisation
-            new = block[0, 1: count + 1].tolist() + [int(next_token)]
-            stats.target_forwards += 1
-            for position in range(count):
-                stats.accepted_per_position[position] += 1
-            for index, token in enumerate(new):
-                if token in eos:
-                    new = new[: index + 1]
-                    break
+            new = truncate_at_eos(block[0, 1: count + 1].tolist() + [int(next_token)], eos)
+            stats.record_round(count)
             tokens += new
             if streamer is not None:
                 streamer.put(torch.tensor(new))
@@ -232,14 +227,7 @@ class StaticDFlash2Decoder:
         if streamer is not None:
             streamer.end()
         stats.completion_tokens = len(tokens)
-        stats.drafted_tokens = (stats.target_forwards - 1) * (self.block_size - 1)
         return torch.cat([input_ids, torch.tensor([tokens], device=input_ids.device)], dim=1)
-
-    def _first_token(self, logits, sampling, generator):
-        return first_token(logits, sampling, generator)[0]
-
-    def _noise(self, sampling, generator):
-        return round_noise(self.drafter, 1, sampling, generator)
 
 
 def first_token(logits, sampling: Sampling, generator=None):
@@ -254,10 +242,8 @@ def round_noise(drafter, batch: int, sampling: Sampling, generator=None):
     acceptance tests, Gumbel noise for the residual / bonus sample. None when greedy."""
     if not sampling.do_sample:
         return None
-    rows, vocab = drafter.config.block_size - 1, drafter.config.vocab_size
-    width = drafter.config.selector_top_k if drafter.candidate_selector is not None else vocab
-    device = drafter.device
-    return (sample_gumbel((batch, rows, width), device, generator),
+    rows, vocab, device = drafter.config.block_size - 1, drafter.config.vocab_size, drafter.device
+    return (draft_gumbel(drafter, batch, generator),
             torch.rand((batch, rows), device=device, generator=generator),
             sample_gumbel((batch, vocab), device, generator))
 
@@ -275,11 +261,6 @@ def static_generate(target, drafter, input_ids, generation_config, streamer=None
     """`target.generate(..., assistant_model=drafter, cache_implementation="static")` lands here (batch 1)."""
     if input_ids.shape[0] != 1:
         raise ValueError("The static DFlash 2 loop runs one sequence; call generate once per prompt.")
-    try:
-        from .integration import _refuse_unsupported_processors
-    except ImportError:
-        from generation.integration import _refuse_unsupported_processors
-    _refuse_unsupported_processors(generation_config)
     max_new_tokens = generation_config.max_new_tokens or (generation_config.max_length - input_ids.shape[1])
     sampling = Sampling.from_generation_config(generation_config)
     if compile is None:

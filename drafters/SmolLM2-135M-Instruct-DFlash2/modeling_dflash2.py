@@ -343,6 +343,13 @@ def sample_gumbel(shape, device, generator: torch.Generator | None = None) -> to
     return -torch.log(-torch.log(uniform.clamp_(min=1e-20, max=1.0 - 1e-7)))
 
 
+def draft_gumbel(drafter, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Gumbel noise for one sampled draft walk: [b, B-1, K] with a selector, [b, B-1, V] per-row (DFlash 1)."""
+    config = drafter.config
+    width = config.selector_top_k if drafter.candidate_selector is not None else config.vocab_size
+    return sample_gumbel((batch, config.block_size - 1, width), drafter.device, generator)
+
+
 def scatter_scores(row_scores: torch.Tensor, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Proposal logits over the whole vocabulary: the row scores at the candidate ids, -inf elsewhere."""
     full = row_scores.new_full((*row_scores.shape[:-1], vocab_size), float("-inf"))
