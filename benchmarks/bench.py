@@ -182,34 +182,45 @@ def run_batched_benchmark(target, tokenizer, drafter, batch_sizes=(1, 8, 32), ta
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = task_prompts(task)
     rows = {}
-    for batch in batch_sizes:
-        chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        encoded = [chat_prompt_ids(tokenizer, p) for p in chosen]
-        width = max(len(e) for e in encoded)
-        ids = torch.full((batch, width), pad, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, e in enumerate(encoded):
-            ids[row, width - len(e):] = torch.tensor(e)
-            mask[row, width - len(e):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        row = {}
-        for name, extra in (("plain", {}), ("dflash2", {"assistant_model": drafter})):
-            kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                          **extra)
-            target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
-            out, seconds, forwards = timed_generate(target, ids, kwargs, device)
-            generated = out[:, width:]
-            tokens = int((generated != pad).sum())
-            row[name] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-                         "target_forwards": forwards}
-        row["dflash2"]["tau_per_row"] = round(row["dflash2"]["tokens"] / batch / max(row["dflash2"]["target_forwards"],
-                                                                                     1), 3)
-        row["speedup"] = round(row["dflash2"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
-        rows[str(batch)] = row
-        if progress:
-            print(f"batch {batch}: plain {row['plain']['tokens_per_s']} tok/s, dflash2 "
-                  f"{row['dflash2']['tokens_per_s']} tok/s, speedup {row['speedup']}", flush=True)
+    limit = drafter.config.max_speculative_batch_size
+    drafter.config.max_speculative_batch_size = max(batch_sizes)  # measure speculation at every size, then restore
+    try:
+        for batch in batch_sizes:
+            rows[str(batch)] = batched_row(target, tokenizer, drafter, prompts, batch, max_new_tokens, pad, device)
+            if progress:
+                row = rows[str(batch)]
+                print(f"batch {batch}: plain {row['plain']['tokens_per_s']} tok/s, dflash2 "
+                      f"{row['dflash2']['tokens_per_s']} tok/s, speedup {row['speedup']}", flush=True)
+    finally:
+        drafter.config.max_speculative_batch_size = limit
     return {"task": task, "max_new_tokens": max_new_tokens, "batches": rows}
+
+
+def batched_row(target, tokenizer, drafter, prompts, batch: int, max_new_tokens: int, pad: int, device) -> dict:
+    """One batch size: plain batched generate and batched DFlash 2 on the same left-padded prompts."""
+    chosen = [prompts[i % len(prompts)] for i in range(batch)]
+    encoded = [chat_prompt_ids(tokenizer, p) for p in chosen]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((batch, width), pad, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for index, e in enumerate(encoded):
+        ids[index, width - len(e):] = torch.tensor(e)
+        mask[index, width - len(e):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    row = {}
+    for name, extra in (("plain", {}), ("dflash2", {"assistant_model": drafter})):
+        kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                      **extra)
+        target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
+        out, seconds, forwards = timed_generate(target, ids, kwargs, device)
+        generated = out[:, width:]
+        tokens = int((generated != pad).sum())
+        row[name] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
+                     "target_forwards": forwards}
+    row["dflash2"]["tau_per_row"] = round(row["dflash2"]["tokens"] / batch / max(row["dflash2"]["target_forwards"],
+                                                                                 1), 3)
+    row["speedup"] = round(row["dflash2"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+    return row
 
 
 def markdown_table(results: dict) -> str:

@@ -97,6 +97,73 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
     return timings
 
 
+@torch.no_grad()
+def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_new_tokens: int) -> dict:
+    """The fixed-shape loop (`cache_implementation="static"`, CUDA graphs on a GPU): a measured generate call, then
+    graph replays of one whole round, of the 8-token verification alone and of a 1-token target step (the floor a
+    compiled plain decoder runs at). draft + select + accept = round - verify; host = measured round - replayed round
+    (the per-round synchronisation, the Python loop, the graph launches)."""
+    from benchmarks.bench import synchronize, timed_generate
+    from generation.fast_path import Sampling
+    from generation.integration import chat_prompt_ids
+
+    device = drafter.device
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+    kwargs = dict(assistant_model=drafter, cache_implementation="static", max_new_tokens=max_new_tokens,
+                  do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    target.generate(ids, **kwargs)  # compiles (or loads) the round's graphs
+    _, total, _ = timed_generate(target, ids, kwargs, device)
+    stats = drafter.last_stats
+    decoder = drafter.__dict__["_static_decoder"]
+    compiled = decoder.compiled
+
+    # the state after the prefill and one round: fixed inputs to replay
+    start = torch.tensor(0, device=device)
+    logits, prompt_features = decoder.verify(ids, start)
+    anchor = logits[0, -1].argmax().view(())
+    prompt_positions = torch.arange(ids.shape[1], device=device)
+    start = torch.tensor(ids.shape[1], device=device)
+    block, _, _, features = decoder._round(anchor, start, prompt_features, prompt_positions, Sampling(), None)
+    write_positions = start + decoder.block_offsets
+    start = start + 1
+
+    def replayed(function, *arguments):
+        def call():
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            function(*arguments)
+        return call
+
+    def back_to_back(call) -> float:  # no synchronisation between calls: what the device needs per call
+        for _ in range(3):
+            call()
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        synchronize(device)
+        return (time.perf_counter() - started) / repeats
+
+    # static shapes: a graph for the 8-token block and one for the 1-token step
+    verify = torch.compile(decoder.verify, mode="reduce-overhead", dynamic=False) if compiled else decoder.verify
+    timings = {
+        "t_round_replay": back_to_back(replayed(decoder.round, anchor, start, features, write_positions, Sampling(),
+                                                None)),
+        "t_verify_replay": back_to_back(replayed(verify, block, start)),
+        "t_plain_step_replay": back_to_back(replayed(verify, block[:, :1], start)),
+    }
+    rounds = stats.target_forwards - 1
+    timings["t_round_measured"] = total / max(stats.target_forwards, 1)
+    timings["t_draft_select_accept"] = timings["t_round_replay"] - timings["t_verify_replay"]
+    timings["t_host"] = timings["t_round_measured"] - timings["t_round_replay"]
+    timings["tau"] = stats.acceptance_length
+    timings["rounds"] = rounds
+    timings["compiled"] = float(compiled)
+    timings["speedup_bound_vs_graph_floor"] = stats.acceptance_length * timings["t_plain_step_replay"] / timings[
+        "t_round_replay"]
+    return timings
+
+
 def _takes_cache(model) -> bool:
     import inspect
 
@@ -113,12 +180,18 @@ def main(argv=None):
                         help="pad the prompt with random tokens to this cache length for the isolated timings (0: the"
                              " prompt alone, the context the measured generate call starts from)")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--static", action="store_true",
+                        help="profile the fixed-shape loop (cache_implementation='static', CUDA graphs on a GPU)")
     args = parser.parse_args(argv)
     target, tokenizer, drafter = load_pair(args)
-    timings = profile(target, tokenizer, drafter, args.prompt, args.context, args.repeats, args.max_new_tokens)
+    if args.static:
+        timings = profile_static(target, tokenizer, drafter, args.prompt, args.repeats, args.max_new_tokens)
+    else:
+        timings = profile(target, tokenizer, drafter, args.prompt, args.context, args.repeats, args.max_new_tokens)
     print(json.dumps({k: round(v * 1000, 3) if k.startswith("t_") else round(v, 3) for k, v in timings.items()},
                      indent=1))
-    print("times in ms; speedup_bound = tau * t_plain_step / (t_verify + t_draft + t_select)")
+    print("times in ms; speedup_bound = tau * t_plain_step / (t_verify + t_draft + t_select)" if not args.static else
+          "times in ms; speedup_bound_vs_graph_floor = tau * t_plain_step_replay / t_round_replay")
 
 
 if __name__ == "__main__":

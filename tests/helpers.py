@@ -32,7 +32,8 @@ def tiny_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: 
 def tiny_drafter(target, seed: int = 1, identity: bool = False, version: int = 2, **overrides):
     torch.manual_seed(seed)
     fields = dict(num_hidden_layers=2, block_size=4, selector_top_k=8, selector_rank=8, conv_group_size=16,
-                  dflash_version=version, target_layer_ids=[0, 2, 4][: min(3, target.config.num_hidden_layers)])
+                  dflash_version=version, target_layer_ids=[0, 2, 4][: min(3, target.config.num_hidden_layers)],
+                  max_speculative_batch_size=64)  # speculate at every batch size the CPU tests use
     fields.update(overrides)
     config = DFlash2Config.for_target(target.config, **fields)
     drafter = DFlash2DraftModel(config).eval()

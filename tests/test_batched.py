@@ -140,3 +140,19 @@ def test_batched_through_custom_generate(tmp_path):
     for row in range(2):
         assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
     assert target._dflash2_drafter.last_stats.target_forwards > 0
+
+
+def test_batches_above_the_speculative_limit_fall_back_with_a_warning():
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, max_speculative_batch_size=2).attach(target)
+    prompts = [[5, 9, 14], [20, 7], [8, 8, 8, 8]]
+    references = [alone(target, p, max_new_tokens=10) for p in prompts]
+    ids, mask = left_pad(prompts)
+    drafter.last_stats = None
+    with pytest.warns(UserWarning, match="max_speculative_batch_size=2"):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=drafter)
+    assert drafter.last_stats is None  # the drafter did not run
+    for row in range(3):
+        assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
+    with pytest.raises(ValueError, match="max_speculative_batch_size"):
+        tiny_drafter(target, max_speculative_batch_size=0)

@@ -542,9 +542,90 @@ def assert_no_eval_overlap(prompts: Iterable[dict | str]) -> None:
             raise ValueError(f"training prompt overlaps {label}: {text[:120]!r}")
 
 
+# ------------------------------------------------------------ function stubs from source
+
+# Sources of real function stubs (signature + docstring, body left out), parsed with ast and never imported:
+# the standard library and packages every install of this project has (torch and transformers are dependencies;
+# numpy and sympy come with the train extra). HumanEval-shaped requests with none of HumanEval's content.
+SOURCE_STUB_PACKAGES = ("numpy", "sympy", "torch", "transformers")
+_SKIPPED_SOURCE_PARTS = frozenset({
+    "test", "tests", "testing", "idlelib", "tkinter", "lib2to3", "site-packages", "dist-packages", "turtledemo",
+    "ensurepip", "venv", "pydoc_data", "unittest", "__pycache__", "benchmarks", "examples"})
+_STUB_TEMPLATES = (
+    "Complete the following Python function. Reply with the code only.\n\n```python\n{stub}```",
+    "Complete this Python function:\n\n```python\n{stub}```",
+    "Write the body of the following Python function.\n\n```python\n{stub}```",
+    "Implement the function below in Python. Only output the code.\n\n```python\n{stub}```",
+)
+STUB_DOC_MIN, STUB_DOC_MAX = 30, 1500
+QUOTES = '"""'
+
+
+def source_roots(packages: Iterable[str] = SOURCE_STUB_PACKAGES) -> list[Path]:
+    """The stdlib folder, then each installed package's folder (missing packages are skipped)."""
+    import sysconfig
+
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots.append(Path(list(spec.submodule_search_locations)[0]))
+    return roots
+
+
+def function_stub(node, class_name: str | None) -> str | None:
+    """'def name(args) -> ret:' plus its docstring, the body left out; None when unsuitable."""
+    import ast
+
+    doc = ast.get_docstring(node)
+    if node.name.startswith("_") or not doc or '"""' in doc or not STUB_DOC_MIN <= len(doc) <= STUB_DOC_MAX:
+        return None
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
+    closing = "\n" + QUOTES if "\n" in doc else QUOTES  # multi-line docstrings close on their own line
+    keyword = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    stub = f'{keyword} {node.name}({ast.unparse(node.args)}){returns}:\n{indent_block(QUOTES + doc + closing)}\n'
+    if class_name is not None:
+        stub = f"class {class_name}:\n{indent_block(stub)}\n"
+    return stub
+
+
+def source_function_stubs(roots: Iterable[Path] | None = None, exclude_names: Iterable[str] = ()) -> list[str]:
+    """Stubs of public, documented functions and methods in the given source trees, in a deterministic order."""
+    import ast
+
+    excluded = set(exclude_names)
+    stubs = []
+    for root in roots if roots is not None else source_roots():
+        for path in sorted(root.rglob("*.py")):
+            if _SKIPPED_SOURCE_PARTS.intersection(path.relative_to(root).parts):
+                continue
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                continue
+            scopes = [(tree, None)] + [(node, node.name) for node in tree.body
+                                       if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
+            for scope, class_name in scopes:
+                for node in scope.body:
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in excluded:
+                        stub = function_stub(node, class_name)
+                        if stub is not None:
+                            stubs.append(stub)
+    return dedupe(stubs)
+
+
+def source_stub_candidates(seed: int = 0, exclude_names: Iterable[str] = ()) -> list[str]:
+    """Each stub wrapped in one of the request templates (chosen per stub, stable across runs)."""
+    prompts = []
+    for stub in source_function_stubs(exclude_names=exclude_names):
+        rng = random.Random(f"{seed}:{stub}")
+        prompts.append(rng.choice(_STUB_TEMPLATES).format(stub=stub))
+    return prompts
+
+
 # ---------------------------------------------------------------------------- main
 
-def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500,
+def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_stubs: int = 0,
                   seed: int = 0) -> list[dict]:
     """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap."""
     pools = {
@@ -553,9 +634,11 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500,
         # e.g. statistics.median is essentially HumanEval/47's task.
         "stdlib-code": (stdlib_code_candidates(seed, exclude_names=humaneval_entry_points())
                         if n_code > 0 else []),
+        "source-stubs": (source_stub_candidates(seed, exclude_names=humaneval_entry_points())
+                         if n_stubs > 0 else []),
         "math": math_candidates(n_math, seed),
     }
-    wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "math": n_math}
+    wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "source-stubs": n_stubs, "math": n_math}
     records = []
     for source, pool in pools.items():
         # Filter before sampling so the requested counts are still met.
@@ -592,13 +675,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-chat", type=int, default=6000)
     parser.add_argument("--n-code", type=int, default=3000)
     parser.add_argument("--n-math", type=int, default=1500)
+    parser.add_argument("--n-stubs", type=int, default=0,
+                        help="function stubs parsed from the stdlib and installed package sources")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     start = time.perf_counter()
     records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
-                            n_math=args.n_math, seed=args.seed)
+                            n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed)
     counts = Counter(record["source"] for record in records)
     for source, count in sorted(counts.items()):
         print(f"{source:12s} {count}")

