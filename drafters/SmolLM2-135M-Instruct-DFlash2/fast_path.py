@@ -38,6 +38,8 @@ class StaticDraftCache:
         shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        for buffer in self.keys + self.values:  # written in place inside CUDA graphs: their address must not move
+            torch._dynamo.mark_static_address(buffer)
         self.capacity = capacity
         self.write_positions: torch.Tensor | None = None
 
@@ -213,8 +215,9 @@ class StaticDFlash2Decoder:
                                                               noise)
             if self.compiled:  # graph outputs are overwritten by the next replay: keep what the next round reads
                 block_features, next_token, accepted = block_features.clone(), next_token.clone(), accepted.clone()
-            count = int(accepted)  # the round's one host synchronisation
-            new = truncate_at_eos(block[0, 1: count + 1].tolist() + [int(next_token)], eos)
+            # the round's one host synchronisation: accepted count, drafts and next token in one copy
+            count, *drafts, following = torch.cat([accepted.view(1), block[0, 1:], next_token.view(1)]).tolist()
+            new = truncate_at_eos(drafts[:count] + [following], eos)
             stats.record_round(count)
             tokens += new
             if streamer is not None:

@@ -81,8 +81,11 @@ def attach(drafter, target, use_by_default: bool = False):
             check_request(target, kwargs["assistant_model"], args, kwargs)
             if kwargs.get("cache_implementation") == "static":
                 return _static_generate(target, args, kwargs)
-            if _batch_size(args, kwargs) > 1:
-                return _batched_generate(target, args, kwargs)
+            batch = _batch_size(args, kwargs)
+            if batch > 1:
+                if speculation_pays_at(kwargs["assistant_model"], batch, target.device):
+                    return _batched_generate(target, args, kwargs)
+                kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
@@ -152,6 +155,30 @@ def _batched_generate(target, args, kwargs):
     if streamer is not None:
         raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
     return batched_generate(target, drafter, inputs, attention_mask, config)
+
+
+# Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
+# beyond it the verification of batch x block tokens stops being latency-bound and speculation costs time.
+# H200 (bf16, MT-Bench): 1.29x at batch 8, 0.91x at 32; 2-core CPU (fp32, HumanEval): 1.18x at batch 2, 0.83x at 4
+MEASURED_SPECULATIVE_BATCH_LIMIT = {"cuda": 8, "cpu": 2}
+
+
+def speculation_pays_at(drafter, batch: int, device) -> bool:
+    """False (with a warning naming the override) when `batch` exceeds the drafter's speculative batch limit."""
+    limit = drafter.config.max_speculative_batch_size
+    if limit is None:
+        limit = MEASURED_SPECULATIVE_BATCH_LIMIT.get(torch_device_type(device), 1)
+    if batch <= limit:
+        return True
+    warnings.warn(
+        f"DFlash 2: batch size {batch} is above max_speculative_batch_size={limit} for {torch_device_type(device)}, "
+        "where batched speculation was measured slower than plain batched generate; decoding without the drafter. "
+        "Set `drafter.config.max_speculative_batch_size` higher to speculate anyway.", stacklevel=3)
+    return False
+
+
+def torch_device_type(device) -> str:
+    return getattr(device, "type", str(device).split(":")[0])
 
 
 def _refuse_unsupported_processors(config) -> None:
