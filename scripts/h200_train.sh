@@ -4,8 +4,9 @@
 # (python -m training.prompts --out .carry/prompts.jsonl ...).
 #
 #   bash scripts/h200_train.sh data [NUM_PROMPTS]   # self-distillation, one prompt shard per GPU -> /tmp/data.jsonl
-#   bash scripts/h200_train.sh train [SECONDS]      # DFlash 2 (GPU 0) and DFlash 1 (GPU 1, else after it on GPU 0)
-#                                                   # from scratch, same data, same time budget
+#   bash scripts/h200_train.sh train [SECONDS] [D2_INIT D1_INIT [LR]]
+#       DFlash 2 (GPU 0) and DFlash 1 (GPU 1, else after it on GPU 0), same data, same time budget: from scratch, or
+#       continuing from the given drafter folders (e.g. the shipped one and its DFlash 1 twin) at LR (default 3e-4)
 # `train` leaves the exported drafters in /tmp/run2/drafter and /tmp/run1/drafter (for a benchmark call in the same
 # lease) and returns them under $OUT split into <= 15 MB parts; reassemble here with: cat d2.tar.* | tar xf -
 set -uo pipefail
@@ -30,17 +31,21 @@ if [ "$phase" = data ]; then
 fi
 
 seconds="${2:-480}"
+init2="${3:-}"; init1="${4:-}"; lr="6e-4"
+[ -n "$init2" ] && lr="${5:-3e-4}"
 common=("${TARGET[@]}" --prompts .carry/prompts.jsonl --data /tmp/data.jsonl --layers 3 --intermediate-size 1280
-        --selector-rank 16 --selector-top-k 16 --batch-size 32 --anchors 64 --max-length 448 --lr 6e-4
+        --selector-rank 16 --selector-top-k 16 --batch-size 32 --anchors 64 --max-length 448 --lr "$lr"
         --steps 1000000 --time-budget "$seconds" --no-resume)
-train_one() {  # version device
-  python3 dflash2_cli.py train "${common[@]}" --dflash-version "$1" --device "$2" --out "/tmp/run$1" 2>&1 | quiet \
+train_one() {  # version device [init folder]
+  local init=(); [ -n "${3:-}" ] && init=(--init-from "$3")
+  python3 dflash2_cli.py train "${common[@]}" "${init[@]}" --dflash-version "$1" --device "$2" --out "/tmp/run$1" 2>&1 \
+    | quiet \
     | tee "$OUT/train$1.log"
 }
 if [ "$gpus" -ge 2 ]; then
-  train_one 2 cuda:0 & train_one 1 cuda:1 & wait
+  train_one 2 cuda:0 "$init2" & train_one 1 cuda:1 "$init1" & wait
 else
-  train_one 2 cuda:0; train_one 1 cuda:0
+  train_one 2 cuda:0 "$init2"; train_one 1 cuda:0 "$init1"
 fi
 for v in 2 1; do
   (cd "/tmp/run$v" && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl history.json \
