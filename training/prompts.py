@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import gzip
 import importlib
@@ -32,6 +33,7 @@ import random
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -563,8 +565,6 @@ QUOTES = '"""'
 
 def source_roots(packages: Iterable[str] = SOURCE_STUB_PACKAGES) -> list[Path]:
     """The stdlib folder, then each installed package's folder (missing packages are skipped)."""
-    import sysconfig
-
     roots = [Path(sysconfig.get_paths()["stdlib"])]
     for name in packages:
         spec = importlib.util.find_spec(name)
@@ -575,8 +575,6 @@ def source_roots(packages: Iterable[str] = SOURCE_STUB_PACKAGES) -> list[Path]:
 
 def function_stub(node, class_name: str | None) -> str | None:
     """'def name(args) -> ret:' plus its docstring, the body left out; None when unsuitable."""
-    import ast
-
     doc = ast.get_docstring(node)
     if node.name.startswith("_") or not doc or '"""' in doc or not STUB_DOC_MIN <= len(doc) <= STUB_DOC_MAX:
         return None
@@ -591,8 +589,6 @@ def function_stub(node, class_name: str | None) -> str | None:
 
 def source_function_stubs(roots: Iterable[Path] | None = None, exclude_names: Iterable[str] = ()) -> list[str]:
     """Stubs of public, documented functions and methods in the given source trees, in a deterministic order."""
-    import ast
-
     excluded = set(exclude_names)
     stubs = []
     for root in roots if roots is not None else source_roots():

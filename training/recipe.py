@@ -52,7 +52,7 @@ def run(args) -> Path:
     from configuration_dflash2 import DFlash2Config, default_target_layer_ids
     from generation.integration import load_target
     from modeling_dflash2 import DFlash2DraftModel
-    from training.selfdistill import answer_prompts, write_jsonl
+    from training.selfdistill import answer_prompts, read_prompts, write_jsonl
     from training.trainer import TrainConfig, load_sequences, train
 
     out = Path(args.out)
@@ -73,9 +73,7 @@ def run(args) -> Path:
 
     data_path = Path(args.data) if args.data else out / "data.jsonl"
     if not data_path.exists():
-        prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
-        if args.num_prompts:
-            prompts = prompts[: args.num_prompts]
+        prompts = read_prompts(args.prompts, args.num_prompts)
         started = time.time()
         rows = answer_prompts(target, tokenizer, prompts, args.max_new_tokens, args.gen_batch_size,
                               temperature=args.gen_temperature)

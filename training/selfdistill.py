@@ -50,6 +50,12 @@ def answer_prompts(target, tokenizer, prompts: list[str], max_new_tokens: int = 
     return rows  # type: ignore[return-value]
 
 
+def read_prompts(path, limit: int | None = None) -> list[str]:
+    """The "prompt" field of every row of a JSONL file (python -m training.prompts writes them), the first `limit`."""
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line)["prompt"] for line in handle if line.strip()][:limit]
+
+
 def write_jsonl(rows, path) -> None:
     """Atomic: a temporary file in the same folder, then a rename."""
     path = Path(path)
@@ -89,7 +95,7 @@ def main(argv=None) -> None:
         assert 0 <= index < count
     except (ValueError, AssertionError):
         parser.error(f"--shard must look like i/n with 0 <= i < n, got {args.shard!r}")
-    prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    prompts = read_prompts(args.prompts, args.num_prompts)
     device = torch.device(args.device)
     target, tokenizer = load_target(target=args.target, gguf_file=args.gguf_file,
                                     dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)

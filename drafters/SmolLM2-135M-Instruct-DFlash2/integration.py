@@ -83,7 +83,7 @@ def attach(drafter, target, use_by_default: bool = False):
                 return _static_generate(target, args, kwargs)
             batch = _batch_size(args, kwargs)
             if batch > 1:
-                if speculation_pays_at(kwargs["assistant_model"], batch, target.device):
+                if speculation_pays_at(kwargs["assistant_model"], batch, target.device.type):
                     return _batched_generate(target, args, kwargs)
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
         return original_generate(*args, **kwargs)
@@ -163,22 +163,18 @@ def _batched_generate(target, args, kwargs):
 MEASURED_SPECULATIVE_BATCH_LIMIT = {"cuda": 8, "cpu": 2}
 
 
-def speculation_pays_at(drafter, batch: int, device) -> bool:
+def speculation_pays_at(drafter, batch: int, device_type: str) -> bool:
     """False (with a warning naming the override) when `batch` exceeds the drafter's speculative batch limit."""
     limit = drafter.config.max_speculative_batch_size
     if limit is None:
-        limit = MEASURED_SPECULATIVE_BATCH_LIMIT.get(torch_device_type(device), 1)
+        limit = MEASURED_SPECULATIVE_BATCH_LIMIT.get(device_type, 1)
     if batch <= limit:
         return True
     warnings.warn(
-        f"DFlash 2: batch size {batch} is above max_speculative_batch_size={limit} for {torch_device_type(device)}, "
+        f"DFlash 2: batch size {batch} is above max_speculative_batch_size={limit} for {device_type}, "
         "where batched speculation was measured slower than plain batched generate; decoding without the drafter. "
         "Set `drafter.config.max_speculative_batch_size` higher to speculate anyway.", stacklevel=3)
     return False
-
-
-def torch_device_type(device) -> str:
-    return getattr(device, "type", str(device).split(":")[0])
 
 
 def _refuse_unsupported_processors(config) -> None:
