@@ -100,9 +100,11 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
 @torch.no_grad()
 def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_new_tokens: int) -> dict:
     """The fixed-shape loop (`cache_implementation="static"`, CUDA graphs on a GPU): a measured generate call, then
-    graph replays of one whole round, of the 8-token verification alone and of a 1-token target step (the floor a
-    compiled plain decoder runs at). draft + select + accept = round - verify; host = measured round - replayed round
-    (the per-round synchronisation, the Python loop, the graph launches)."""
+    graph replays of one whole round and of its parts -- the drafter layers alone, plus the LM head and top-k on the
+    draft rows, plus the selector's pair scores and walk; the 8-token verification -- and of a 1-token target step (the
+    floor a compiled plain decoder runs at). head = (draft + head) - draft; select = (draft + head + select) -
+    (draft + head); accept = round - (draft + select) - verify; host = measured round - replayed
+    round (the per-round synchronisation, the Python loop, the graph launches)."""
     from benchmarks.bench import synchronize, timed_generate
     from generation.fast_path import Sampling
     from generation.integration import chat_prompt_ids
@@ -127,6 +129,16 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     write_positions = start + decoder.block_offsets
     start = start + 1
 
+    def draft_and_head(anchor, start, features, write_positions):  # + LM head on the draft rows and their top-k
+        hidden = decoder.draft_block(anchor, start, features, write_positions)
+        return drafter.unary_logits(hidden[:, 1:]).float().topk(drafter.config.selector_top_k, dim=-1)
+
+    def draft_and_select(anchor, start, features, write_positions):
+        return drafter.propose(anchor.view(1), decoder.draft_block(anchor, start, features, write_positions)).tokens
+
+    def graph(function):  # each piece captured on its own, as the round is
+        return torch.compile(function, mode="reduce-overhead", dynamic=False) if compiled else function
+
     def replayed(function, *arguments):
         def call():
             if compiled:
@@ -144,23 +156,30 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
         synchronize(device)
         return (time.perf_counter() - started) / repeats
 
-    # static shapes: a graph for the 8-token block and one for the 1-token step
-    verify = torch.compile(decoder.verify, mode="reduce-overhead", dynamic=False) if compiled else decoder.verify
+    verify = graph(decoder.verify)  # static shapes: one graph for the 8-token block, one for the 1-token step
+    draft_inputs = (anchor, start, features, write_positions)
     timings = {
-        "t_round_replay": back_to_back(replayed(decoder.round, anchor, start, features, write_positions, Sampling(),
-                                                None)),
+        "t_round_replay": back_to_back(replayed(decoder.round, *draft_inputs, Sampling(), None)),
+        "t_draft_replay": back_to_back(replayed(graph(decoder.draft_block), *draft_inputs)),
+        "t_draft_head_replay": back_to_back(replayed(graph(draft_and_head), *draft_inputs)),
+        "t_draft_select_replay": back_to_back(replayed(graph(draft_and_select), *draft_inputs)),
         "t_verify_replay": back_to_back(replayed(verify, block, start)),
         "t_plain_step_replay": back_to_back(replayed(verify, block[:, :1], start)),
     }
-    rounds = stats.target_forwards - 1
+    timings["t_head_replay"] = timings["t_draft_head_replay"] - timings["t_draft_replay"]
+    timings["t_select_replay"] = timings["t_draft_select_replay"] - timings["t_draft_head_replay"]
+    timings["t_accept_replay"] = (timings["t_round_replay"] - timings["t_draft_select_replay"]
+                                  - timings["t_verify_replay"])
     timings["t_round_measured"] = total / max(stats.target_forwards, 1)
-    timings["t_draft_select_accept"] = timings["t_round_replay"] - timings["t_verify_replay"]
     timings["t_host"] = timings["t_round_measured"] - timings["t_round_replay"]
     timings["tau"] = stats.acceptance_length
-    timings["rounds"] = rounds
+    timings["rounds"] = stats.target_forwards - 1
     timings["compiled"] = float(compiled)
+    # what the round costs against the floor: tau tokens per round vs one token per 1-token graph step
     timings["speedup_bound_vs_graph_floor"] = stats.acceptance_length * timings["t_plain_step_replay"] / timings[
         "t_round_replay"]
+    timings["speedup_bound_with_host"] = stats.acceptance_length * timings["t_plain_step_replay"] / timings[
+        "t_round_measured"]
     return timings
 
 

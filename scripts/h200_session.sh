@@ -7,9 +7,11 @@
 #   bash scripts/h200_session.sh greedy D2_DIR [D1_DIR]    # device_map check (2 GPUs), greedy table with the static
 #                                                          # loop and compiled plain, static step profile
 #   bash scripts/h200_session.sh rest D2_DIR [D1_DIR]      # sampled table, batch 1/8/32/64, eager step profile
+#   bash scripts/h200_session.sh both D2_DIR [D1_DIR]      # two GPUs, two lanes at once: greedy table + static step
+#                                                          # profile on one, sampled table + gpu-tests on the other
 # Results go to /tmp/session/<phase>, packed into $OUT/<phase>.tar (the device returns at most 8 files).
 set -u
-phase="${1:?usage: h200_session.sh gpu-tests|greedy|rest D2_DIR [D1_DIR]}"
+phase="${1:?usage: h200_session.sh gpu-tests|greedy|rest|both D2_DIR [D1_DIR]}"
 dflash2="${2:?the DFlash 2 drafter folder}"
 dflash1="${3:-}"
 S=/tmp/session/$phase; rm -rf "$S"; mkdir -p "$S"
@@ -19,26 +21,36 @@ export DFLASH2_EVAL_DIR="${DFLASH2_EVAL_DIR:-$PWD/.carry/eval}" PYTHONPATH="$PWD
 quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|^\s*$"; }  # tqdm redraws end in \r
 extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
+# each step records its exit status (a crash inside a CUDA graph prints no traceback)
+step() { local name="$1" seconds="$2"; shift 2
+  timeout "$seconds" python3 -X faulthandler "$@" 2>&1 | quiet | tee "$S/$name.log"
+  echo "[$name] exit ${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$S/$name.log"; }
+gpu_tests() { DFLASH2_TEST_DRAFTER="$dflash2" step gpu_tests "${TESTS_S:-320}" -m pytest -q -m gpu tests/test_gpu.py -s \
+    -p no:cacheprovider; }
+greedy_table() { step greedy "${GREEDY_S:-300}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 5 \
+    --max-new-tokens 128 --static --device cuda:0 --out "$S/greedy"; }
+sampled_table() { step sampled "${SAMPLED_S:-220}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" \
+    --num-prompts 3 --max-new-tokens 128 --temperature 1.0 --top-p 0.95 --static --device cuda:0 --out "$S/sampled"; }
+static_profile() { step profile_static "${PROFILE_S:-240}" -m benchmarks.profile_step --static --drafter "$dflash2" \
+    --device cuda:0 --max-new-tokens 128 --repeats 50; }
 
 case "$phase" in
-gpu-tests)
-  DFLASH2_TEST_DRAFTER="$dflash2" timeout "${TESTS_S:-320}" python3 -m pytest -q -m gpu tests/test_gpu.py -s \
-    -p no:cacheprovider 2>&1 | quiet | tee "$S/gpu_tests.log"
+gpu-tests) gpu_tests ;;
+both)  # one lane per GPU (CUDA_VISIBLE_DEVICES), each inside the call's 10 minutes
+  (export CUDA_VISIBLE_DEVICES=0; greedy_table; static_profile) &
+  (export CUDA_VISIBLE_DEVICES=1; sampled_table; gpu_tests) &
+  wait
   ;;
 greedy)
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     timeout 80 python3 -m benchmarks.device_map_check --drafter "$dflash2" --num-prompts 4 --max-new-tokens 64 2>&1 \
       | quiet | tee "$S/device_map.log"
   fi
-  timeout "${GREEDY_S:-300}" python3 dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 5 \
-    --max-new-tokens 128 --static --device cuda:0 --out "$S/greedy" 2>&1 | quiet | tail -40 | tee "$S/greedy.log"
-  timeout "${PROFILE_S:-240}" python3 -m benchmarks.profile_step --static --drafter "$dflash2" --device cuda:0 \
-    --max-new-tokens 128 --repeats 50 2>&1 | quiet | tee "$S/profile_static.log"
+  greedy_table
+  static_profile
   ;;
 rest)
-  timeout "${SAMPLED_S:-220}" python3 dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 3 \
-    --max-new-tokens 128 --temperature 1.0 --top-p 0.95 --device cuda:0 --out "$S/sampled" 2>&1 | quiet | tail -30 \
-    | tee "$S/sampled.log"
+  sampled_table
   timeout "${BATCHED_S:-150}" python3 dflash2_cli.py bench --drafter "$dflash2" --batch-sizes 1 8 32 64 \
     --max-new-tokens 128 --device cuda:0 --out "$S/batched" 2>&1 | quiet | tail -20 | tee "$S/batched.log"
   timeout "${PROFILE_S:-60}" python3 -m benchmarks.profile_step --drafter "$dflash2" --device cuda:0 --context 512 \

@@ -21,7 +21,7 @@ if [ "$phase" = data ]; then
   prompts="${2:-40000}"
   for i in $(seq 0 $((gpus - 1))); do
     python3 -m training.selfdistill "${TARGET[@]}" --prompts .carry/prompts.jsonl --num-prompts "$prompts" \
-      --shard "$i/$gpus" --device "cuda:$i" --max-new-tokens 192 --batch-size 768 --out "/tmp/data.$i.jsonl" \
+      --shard "$i/$gpus" --device "cuda:$i" --max-new-tokens 192 --batch-size "${DISTILL_BATCH:-1536}" --out "/tmp/data.$i.jsonl" \
       2>&1 | quiet | tee "$OUT/distill.$i.log" &
   done
   wait
