@@ -52,7 +52,8 @@ def command_generate(args) -> None:
     ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=drafter.device)
     sampling = {"do_sample": False} if args.temperature == 0 else {
         "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
-    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                  pad_token_id=tokenizer.eos_token_id, **sampling)
     if args.static:  # both sides get static caches: the fixed-shape DFlash 2 loop against compiled plain decoding
         kwargs["cache_implementation"] = "static"
     # warm-up outside the timed runs (allocator, kernels)

@@ -131,17 +131,31 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
         bar = tqdm(total=len(tasks) * num_prompts * len(methods), desc="bench", mininterval=2)
     for task in tasks:
         prompts = task_prompts(task, num_prompts)
-        per_method = {name: MethodResult() for name in methods}
         encoded = [torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device) for prompt in prompts]
         longest = max(encoded, key=lambda ids: ids.shape[1])
+        failed = results.setdefault("failed", {})
         for name in methods:  # warm-up outside the timed runs: kernels, allocator, and static caches at full size
-            target.generate(longest, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
-                            **method_kwargs(name, drafters))
+            if name in failed:
+                continue
+            try:
+                target.generate(longest, attention_mask=torch.ones_like(longest), max_new_tokens=max_new_tokens,
+                                pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
+            except Exception as error:  # one broken method must not cost the others' numbers; plain must work
+                if name == "plain":
+                    raise
+                failed[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+                print(f"[bench] {name} failed and is left out: {failed[name]}", flush=True)
+        active = [name for name in methods if name not in failed]
+        per_method = {name: MethodResult() for name in active}
+        if bar is not None:
+            bar.total -= len(prompts) * (len(methods) - len(active))
         for index, ids in enumerate(encoded):
             plain_tokens = None
-            for name in methods:
-                kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling,
-                              **method_kwargs(name, drafters))
+            for name in active:
+                # the mask is explicit: the chat template's end-of-turn token is also the pad token, and some
+                # transformers versions (5.17) would mask it out of an unmasked prompt
+                kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
                 torch.manual_seed(seed + index)
                 out, seconds, forwards = timed_generate(target, ids, kwargs, device)
                 new = out[0, ids.shape[1]:].tolist()
@@ -248,6 +262,8 @@ def markdown_table(results: dict) -> str:
             lines.append(f"| {batch} | {row['plain']['tokens_per_s']} | {row['dflash2']['tokens_per_s']} | "
                          f"{row['speedup']} | {row['dflash2']['tau_per_row']} |")
         lines.append("")
+    for name, error in results.get("failed", {}).items():
+        lines.append(f"Left out: {name} failed ({error}).")
     return "\n".join(lines)
 
 
@@ -272,7 +288,7 @@ def write_reports(results: dict, out_dir) -> list[Path]:
     figure, axis = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(tasks)
     for i, task in enumerate(tasks):
-        values = [results["tasks"][task][m].get("speedup", 0) or 0 for m in methods]
+        values = [results["tasks"][task].get(m, {}).get("speedup", 0) or 0 for m in methods]
         axis.bar([x + i * width for x in range(len(methods))], values, width, label=task)
     axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.set_xticks([x + width * (len(tasks) - 1) / 2 for x in range(len(methods))], methods, rotation=15)

@@ -59,7 +59,8 @@ def main(argv=None):
               "identical": 0, "plain_s": 0.0, "dflash2_s": 0.0, "tokens": 0, "plain_tokens": 0, "forwards": 0}
     for index, prompt in enumerate(prompts):
         ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=first)
-        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False,
+                      pad_token_id=tokenizer.eos_token_id)
         if index == 0:
             target.generate(ids, **{**kwargs, "max_new_tokens": 8})
             target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})

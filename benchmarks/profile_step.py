@@ -77,11 +77,13 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
     # real generate calls: the whole round, loop overhead included, against plain decoding
     from benchmarks.bench import timed_generate
 
-    speculative = dict(assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    speculative = dict(assistant_model=drafter, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                       do_sample=False)
     target.generate(ids, **{**speculative, "max_new_tokens": 16})  # warm-up
     _, total, _ = timed_generate(target, ids, speculative, device)
     stats = drafter.last_stats
-    plain, plain_total, _ = timed_generate(target, ids, dict(max_new_tokens=max_new_tokens, do_sample=False), device)
+    plain, plain_total, _ = timed_generate(target, ids, dict(attention_mask=torch.ones_like(ids),
+                                                             max_new_tokens=max_new_tokens, do_sample=False), device)
     gen_ids = ids
     rounds = stats.target_forwards
     timings["t_round_measured"] = total / rounds
@@ -111,8 +113,8 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
 
     device = drafter.device
     ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
-    kwargs = dict(assistant_model=drafter, cache_implementation="static", max_new_tokens=max_new_tokens,
-                  do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    kwargs = dict(assistant_model=drafter, cache_implementation="static", attention_mask=torch.ones_like(ids),
+                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     target.generate(ids, **kwargs)  # compiles (or loads) the round's graphs
     _, total, _ = timed_generate(target, ids, kwargs, device)
     stats = drafter.last_stats

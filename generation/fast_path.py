@@ -82,12 +82,20 @@ def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tens
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        cumulative = cumulative_probabilities(sorted_logits)
         remove_sorted = cumulative <= 1 - sampling.top_p
         remove_sorted[..., -1:] = False  # keep at least one token
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits.softmax(-1)
+
+
+@torch.compiler.disable
+def cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
+    """softmax then cumsum over the vocabulary, kept out of compiled graphs: inductor (torch 2.11, Triton) fails to
+    generate code for a scan this long ("Error in codegen ... SplitScan"). Eager, it stays on the device: a graph
+    break, no host synchronisation."""
+    return sorted_logits.softmax(-1).cumsum(-1)
 
 
 def speculative_accept(drafts, draft_probs, target_probs, uniform, gumbel):

@@ -141,7 +141,11 @@ def _static_generate(target, args, kwargs):
         from .fast_path import static_generate
     except ImportError:
         from generation.fast_path import static_generate
-    drafter, inputs, _, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
+    drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("The static DFlash 2 loop decodes one unpadded prompt and attends to all of it; this "
+                         "attention_mask hides some prompt tokens. Drop the padding (and the mask), or leave out "
+                         "cache_implementation='static' to use transformers' assisted loop.")
     return static_generate(target, drafter, inputs, config, streamer=streamer, compile=compile_flag)
 
 

@@ -7,8 +7,9 @@
 #   bash scripts/h200_session.sh greedy D2_DIR [D1_DIR]    # device_map check (2 GPUs), greedy table with the static
 #                                                          # loop and compiled plain, static step profile
 #   bash scripts/h200_session.sh rest D2_DIR [D1_DIR]      # sampled table, batch 1/8/32/64, eager step profile
-#   bash scripts/h200_session.sh both D2_DIR [D1_DIR]      # two GPUs, two lanes at once: greedy table + static step
-#                                                          # profile on one, sampled table + gpu-tests on the other
+#   bash scripts/h200_session.sh both D2_DIR [D1_DIR]      # two GPUs, two lanes at once: greedy table + gpu-tests
+#                                                          # on one, sampled table + static step profile on the other
+# Time limits per step: GREEDY_S, SAMPLED_S, TESTS_S, PROFILE_S, BATCHED_S (0 skips the step); TESTS_K picks tests.
 # Results go to /tmp/session/<phase>, packed into $OUT/<phase>.tar (the device returns at most 8 files).
 set -u
 phase="${1:?usage: h200_session.sh gpu-tests|greedy|rest|both D2_DIR [D1_DIR]}"
@@ -23,10 +24,11 @@ extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
 # each step records its exit status (a crash inside a CUDA graph prints no traceback)
 step() { local name="$1" seconds="$2"; shift 2
+  [ "$seconds" = 0 ] && { echo "[$name] skipped" | tee "$S/$name.log"; return; }
   timeout "$seconds" python3 -X faulthandler "$@" 2>&1 | quiet | tee "$S/$name.log"
   echo "[$name] exit ${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$S/$name.log"; }
 gpu_tests() { DFLASH2_TEST_DRAFTER="$dflash2" step gpu_tests "${TESTS_S:-320}" -m pytest -q -m gpu tests/test_gpu.py -s \
-    -p no:cacheprovider; }
+    -p no:cacheprovider -p no:logging ${TESTS_K:+-k "$TESTS_K"}; }  # no:logging: no pages of compiler debug records
 greedy_table() { step greedy "${GREEDY_S:-300}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 5 \
     --max-new-tokens 128 --static --device cuda:0 --out "$S/greedy"; }
 sampled_table() { step sampled "${SAMPLED_S:-220}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" \
@@ -37,8 +39,8 @@ static_profile() { step profile_static "${PROFILE_S:-240}" -m benchmarks.profile
 case "$phase" in
 gpu-tests) gpu_tests ;;
 both)  # one lane per GPU (CUDA_VISIBLE_DEVICES), each inside the call's 10 minutes
-  (export CUDA_VISIBLE_DEVICES=0; greedy_table; static_profile) &
-  (export CUDA_VISIBLE_DEVICES=1; sampled_table; gpu_tests) &
+  (export CUDA_VISIBLE_DEVICES=0; greedy_table; gpu_tests) &
+  (export CUDA_VISIBLE_DEVICES=1; sampled_table; static_profile) &
   wait
   ;;
 greedy)

@@ -44,3 +44,22 @@ def test_batched_benchmark_reports_each_batch_size():
     for row in results["batches"].values():
         assert row["plain"]["tokens"] > 0 and row["dflash2"]["tokens"] > 0
     assert "| 3 |" in markdown_table({"batched": results})
+
+
+def test_a_failing_method_is_left_out_and_named_while_the_others_run(monkeypatch, tmp_path):
+    import benchmarks.bench as bench
+
+    target = tiny_target("llama", seed=6)
+    drafters = {"dflash2": tiny_drafter(target, seed=6).attach(target)}
+    original = bench.method_kwargs
+
+    def broken_prompt_lookup(name, drafters):
+        return {"prompt_lookup_num_tokens": "not a number"} if name == "prompt-lookup" else original(name, drafters)
+
+    monkeypatch.setattr(bench, "method_kwargs", broken_prompt_lookup)
+    results = bench.run_benchmark(target, _tiny_tokenizer(), drafters, tasks=("humaneval",), num_prompts=1,
+                                  max_new_tokens=6, progress=False)
+    assert set(results["tasks"]["humaneval"]) == {"plain", "hf-dflash", "dflash2"}
+    assert "prompt-lookup" in results["failed"]
+    assert "Left out: prompt-lookup failed" in bench.markdown_table(results)
+    bench.write_reports(results, tmp_path)

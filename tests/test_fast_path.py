@@ -89,6 +89,30 @@ def test_static_path_refuses_processors_it_cannot_apply():
                         cache_implementation="static")
 
 
+def test_static_path_refuses_a_mask_that_hides_prompt_tokens():
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    with pytest.raises(ValueError, match="hides some prompt tokens"):
+        target.generate(torch.tensor([[0, 5, 6]]), attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=4,
+                        assistant_model=drafter, cache_implementation="static")
+
+
+def test_static_path_attends_to_pad_tokens_inside_the_prompt(fast_oracle):
+    """A chat template's end-of-turn token is often the pad token: with an explicit all-ones mask, plain decoding
+    attends to it, and so must the static loop (which never infers a mask from token values)."""
+    target = tiny_target("llama", seed=4)
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    pad = 3
+    ids = torch.tensor([[7, 9, pad, 11, 12, pad, 15]])
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                pad_token_id=pad, eos_token_id=None)
+    fast_oracle["reference"] = reference
+    for mask in (None, torch.ones_like(ids)):
+        fast = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=pad,
+                               eos_token_id=None, assistant_model=drafter, cache_implementation="static")
+        assert torch.equal(fast, reference)
+
+
 # ------------------------------------------------------------------------------------------------ sampling pieces
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(temperature=1.3,
                                                                                                   top_k=9, top_p=0.9)])

@@ -57,14 +57,17 @@ def test_compiled_static_loop_equals_eager_on_the_default_target():
                    "List three prime numbers and say why they are prime."]
     greedy = dict(max_new_tokens=96, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, p)], device="cuda") for p in prompts]
-    plain = [target.generate(ids, **greedy) for ids in encoded]
-    assisted = [target.generate(ids, assistant_model=drafter, **greedy) for ids in encoded]
-    static_eager = [target.generate(ids, assistant_model=drafter, cache_implementation="static", compile=False,
-                                    **greedy) for ids in encoded]
+    # explicit masks: the template's end-of-turn token is the pad token, which transformers 5.17 masks out of an
+    # unmasked prompt (the static loop refuses such masks and attends to every prompt token)
+    plain = [target.generate(ids, attention_mask=torch.ones_like(ids), **greedy) for ids in encoded]
+    assisted = [target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, **greedy)
+                for ids in encoded]
+    static_eager = [target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                    cache_implementation="static", compile=False, **greedy) for ids in encoded]
     static_compiled, taus = [], []
     for ids in encoded:
-        static_compiled.append(target.generate(ids, assistant_model=drafter, cache_implementation="static",
-                                               compile=True, **greedy))
+        static_compiled.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                               cache_implementation="static", compile=True, **greedy))
         taus.append(drafter.last_stats.acceptance_length)
     print(f"\n[gpu fp32] prompts {len(prompts)}, tau of the compiled loop {sum(taus) / len(taus):.2f}; identical to "
           f"plain greedy: assisted {sum(map(torch.equal, assisted, plain))}, static eager "

@@ -49,14 +49,16 @@ def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
     tokens = forwards = 0
     for prompt in task_prompts("humaneval", 3):
         ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
-        plain = target.generate(ids, max_new_tokens=48, do_sample=False)
-        speculative = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter)
+        mask = torch.ones_like(ids)  # explicit: the template's end-of-turn token is the pad token
+        plain = target.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False)
+        speculative = target.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False,
+                                      assistant_model=drafter)
         assert torch.equal(speculative, plain)
         tokens += drafter.last_stats.completion_tokens
         forwards += drafter.last_stats.target_forwards
         # the fixed-shape loop, eager and compiled (inductor on CPU: the same captured round a GPU replays as graphs)
         for compile in (False, True):
-            static = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter,
-                                     cache_implementation="static", compile=compile)
+            static = target.generate(ids, attention_mask=mask, max_new_tokens=48, do_sample=False,
+                                     assistant_model=drafter, cache_implementation="static", compile=compile)
             assert torch.equal(static, plain), compile
     assert tokens / forwards > 1.8  # a trained drafter; an untrained one (or broken loading) sits at 1.0
