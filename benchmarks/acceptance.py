@@ -38,16 +38,18 @@ def main(argv=None):
         stats = drafter.last_stats
         tokens += stats.completion_tokens
         forwards += stats.target_forwards
-        per_prompt.append(stats.acceptance_length)
+        per_prompt.append({"tokens": stats.completion_tokens, "target_forwards": stats.target_forwards,
+                           "tau": round(stats.acceptance_length, 3)})
+    taus = [row["tau"] for row in per_prompt]
     report = {"task": args.task, "prompts": len(per_prompt), "max_new_tokens": args.max_new_tokens,
               "tau": round(tokens / forwards, 3), "tokens": tokens, "target_forwards": forwards,
-              "tau_per_prompt_median": round(statistics.median(per_prompt), 3),
-              "tau_per_prompt_min": round(min(per_prompt), 3), "tau_per_prompt_max": round(max(per_prompt), 3),
+              "tau_per_prompt_median": round(statistics.median(taus), 3),
+              "tau_per_prompt_min": round(min(taus), 3), "tau_per_prompt_max": round(max(taus), 3),
               "device": str(drafter.device), "dtype": str(target.dtype)}
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({**report, "tau_per_prompt": per_prompt}, handle, indent=1)
+            json.dump({**report, "per_prompt": per_prompt}, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -212,11 +212,18 @@ class StaticDFlash2Decoder:
         write_positions = torch.arange(prompt_length, device=self.device)
         start = torch.tensor(prompt_length, device=self.device)
         anchor = first.view(())
+        if prompt_length > self.block_size:
+            # Every round keeps the compiled shape: the drafter's context takes all but the prompt's last block of
+            # features now (one eager drafter pass; its block rows are discarded), the first round the rest.
+            head = prompt_length - self.block_size
+            self.draft_block(anchor, torch.tensor(head, device=self.device), features[:, :head],
+                             write_positions[:head])
+            features, write_positions = features[:, head:], write_positions[head:]
         eos = set(eos_token_ids or ())
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             noise = round_noise(self.drafter, 1, sampling, generator)
-            # the first round carries the whole prompt's features (its own shape): keep it out of the compiled graph
-            run = self._round if stats.target_forwards == 1 else self.round
+            # a prompt shorter than a block gives the first round a shape of its own: keep that round eager
+            run = self.round if features.shape[1] == self.block_size else self._round
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # a new iteration: earlier graph outputs may be reused
             block, accepted, next_token, block_features = run(anchor, start, features, write_positions, sampling,
