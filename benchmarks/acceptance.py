@@ -33,8 +33,9 @@ def main(argv=None):
 
     for prompt in tqdm(task_prompts(args.task, args.num_prompts), desc=args.task, mininterval=10):
         ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=drafter.device)
-        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, cache_implementation="static",
-                        do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                        cache_implementation="static", do_sample=False, max_new_tokens=args.max_new_tokens,
+                        pad_token_id=tokenizer.eos_token_id)
         stats = drafter.last_stats
         tokens += stats.completion_tokens
         forwards += stats.target_forwards

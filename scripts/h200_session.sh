@@ -9,7 +9,8 @@
 #   bash scripts/h200_session.sh rest D2_DIR [D1_DIR]      # sampled table, batch 1/8/32/64, eager step profile
 #   bash scripts/h200_session.sh both D2_DIR [D1_DIR]      # two GPUs, two lanes at once: greedy table + gpu-tests
 #                                                          # on one, sampled table + static step profile on the other
-# Time limits per step: GREEDY_S, SAMPLED_S, TESTS_S, PROFILE_S, BATCHED_S (0 skips the step); TESTS_K picks tests.
+# Time limits per step: GREEDY_S, SAMPLED_S, TESTS_S, PROFILE_S, BATCHED_S, DEVICE_MAP_S (0 skips the step);
+# TESTS_K picks tests.
 # Results go to /tmp/session/<phase>, packed into $OUT/<phase>.tar (the device returns at most 8 files).
 set -u
 phase="${1:?usage: h200_session.sh gpu-tests|greedy|rest|both D2_DIR [D1_DIR]}"
@@ -45,18 +46,18 @@ both)  # one lane per GPU (CUDA_VISIBLE_DEVICES), each inside the call's 10 minu
   ;;
 greedy)
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    timeout 80 python3 -m benchmarks.device_map_check --drafter "$dflash2" --num-prompts 4 --max-new-tokens 64 2>&1 \
-      | quiet | tee "$S/device_map.log"
+    step device_map "${DEVICE_MAP_S:-80}" -m benchmarks.device_map_check --drafter "$dflash2" --num-prompts 4 \
+      --max-new-tokens 64
   fi
   greedy_table
   static_profile
   ;;
 rest)
   sampled_table
-  timeout "${BATCHED_S:-150}" python3 dflash2_cli.py bench --drafter "$dflash2" --batch-sizes 1 8 32 64 \
-    --max-new-tokens 128 --device cuda:0 --out "$S/batched" 2>&1 | quiet | tail -20 | tee "$S/batched.log"
-  timeout "${PROFILE_S:-60}" python3 -m benchmarks.profile_step --drafter "$dflash2" --device cuda:0 --context 512 \
-    --max-new-tokens 128 2>&1 | quiet | tee "$S/profile.log"
+  step batched "${BATCHED_S:-150}" dflash2_cli.py bench --drafter "$dflash2" --batch-sizes 1 8 32 64 \
+    --max-new-tokens 128 --device cuda:0 --out "$S/batched"
+  step profile "${PROFILE_S:-60}" -m benchmarks.profile_step --drafter "$dflash2" --device cuda:0 --context 512 \
+    --max-new-tokens 128
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
