@@ -280,7 +280,8 @@ def convert_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     DFlash 1; each DFlash key comes from `dflash_config`, then the top level, then its default.
     """
     architectures = config_dict.get("architectures") or []
-    if config_dict.get("model_type") == DFlash2Config.model_type or not (
+    # ours, or already converted (from_pretrained converts in get_config_dict, then again in from_dict)
+    if config_dict.get("model_type") == DFlash2Config.model_type or "dflash_version" in config_dict or not (
         DFLASH2_ARCHITECTURE in architectures or DFLASH1_ARCHITECTURE in architectures
     ):
         return config_dict

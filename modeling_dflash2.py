@@ -26,10 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 # transformers 5.24 renamed the outputs' `past_key_values` to `cache` (the old name still works, with a warning)
 _OUTPUT_CACHE = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
-try:  # flat remote-code folder (transformers_modules.*) or this repository
-    from .configuration_dflash2 import DFlash2Config
-except ImportError:
-    from configuration_dflash2 import DFlash2Config
+from .configuration_dflash2 import DFlash2Config
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
@@ -232,6 +229,7 @@ class DFlash2DecoderLayer(nn.Module):
     def __init__(self, config: DFlash2Config, layer_idx: int):
         super().__init__()
         self.block_size = config.block_size
+        self.attention_type = config.layer_types[layer_idx]
         self.self_attn = DFlash2Attention(config, layer_idx)
         self.mlp = DFlash2MLP(config)
         self.input_layernorm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -255,6 +253,9 @@ class DFlash2DecoderLayer(nn.Module):
         return x + conv.finish(self._in_blocks(z), delta_after).flatten(1, 2)
 
     def forward(self, hidden_states, context, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        if isinstance(attention_mask, dict):  # one mask per layer type (full / sliding attention)
+            attention_mask = attention_mask.get(self.attention_type)
+
         def attend(u):
             return self.self_attn(u, context, position_embeddings, attention_mask, past_key_values, **kwargs)
 
@@ -399,8 +400,8 @@ class DFlash2PreTrainedModel(PreTrainedModel):
 
 
 class DFlash2DraftModel(DFlash2PreTrainedModel):
-    """The drafter. Call `bind_target(target)` (or `attach(target)`) before drafting: it borrows the target's
-    embedding matrix and LM head without storing them."""
+    """The drafter network. Call `bind_target(target)` before drafting: it borrows the target's embedding matrix and
+    LM head without storing them. Speculative decoding with it lives in `generation/` (`attach`)."""
 
     def __init__(self, config: DFlash2Config):
         super().__init__(config)
@@ -413,29 +414,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self._target_parts: dict[str, nn.Module] = {}  # plain dict: borrowed modules are not our parameters
         self.post_init()
 
-    # --------------------------------------------------------------------------------------- HF entry points
-    def attach(self, target: PreTrainedModel, use_by_default: bool = False) -> "DFlash2DraftModel":
-        """After this, `target.generate(ids, assistant_model=drafter, ...)` drafts with DFlash 2. Returns the drafter."""
-        _integration().attach(self, target, use_by_default=use_by_default)
-        return self
-
-    def detach(self, target: PreTrainedModel) -> "DFlash2DraftModel":
-        _integration().detach(target)
-        return self
-
-    def save_pretrained(self, save_directory, tokenizer=None, **kwargs):
-        """Write a self-contained folder: config (auto_map), safetensors, flat remote code, custom_generate/."""
-        return _integration().export_drafter(self, save_directory, tokenizer=tokenizer, **kwargs)
-
-    def _save_weights_and_config(self, save_directory, **kwargs):
-        return super().save_pretrained(save_directory, **kwargs)
-
+    # --------------------------------------------------------------------------------------- generation guard
     @property
     def generation_config(self):
         # transformers' stock assisted path reads `assistant_model.generation_config` first: fail there, clearly.
         raise RuntimeError(
             "A DFlash 2 drafter was passed as `assistant_model` to a model it is not attached to. Call "
-            "`drafter.attach(target)` once, then `target.generate(..., assistant_model=drafter)`."
+            "`dflash2.attach(drafter, target)` (or `drafter.attach(target)` on a drafter loaded with AutoModel) once, "
+            "then `target.generate(..., assistant_model=drafter)`."
         )
 
     @generation_config.setter
@@ -528,26 +514,40 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUTPUT_CACHE: past_key_values})
 
     def _attention_mask(self, attention_mask, position_ids, cache, num_context, num_rows):
-        """None when every row may see every key; otherwise a boolean [b, 1, rows, keys] mask."""
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask.to(self.device)
-        layer = self.layers[0].self_attn if len(self.layers) else None
-        needs_rule = any(l.self_attn.is_causal or l.self_attn.sliding_window for l in self.layers)
-        padded = attention_mask is not None and not bool(attention_mask.all())
-        if not needs_rule and not padded:
-            return None
+        """None when every row may see every key; else the masks `attention_masks` builds (a 4-D or per-layer-type
+        mask passes through). Keys are the cache's positions 0..past-1, then the context, then the block rows."""
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+            return attention_mask
         past = cache.get_seq_length() if cache is not None else 0
         num_keys = past + num_context + num_rows
-        key_positions = torch.arange(num_keys, device=self.device)
-        query_positions = position_ids[:, -num_rows:].to(self.device)
-        allowed = torch.ones(query_positions.shape[0], num_rows, num_keys, dtype=torch.bool, device=self.device)
-        if layer is not None and layer.is_causal:
-            allowed &= key_positions[None, None, :] <= query_positions[:, :, None]
-        if layer is not None and layer.sliding_window:
-            allowed &= (query_positions[:, :, None] - key_positions[None, None, :]).abs() < layer.sliding_window
-        if padded:
-            allowed &= attention_mask[:, None, -num_keys:].to(self.device, torch.bool)
-        return allowed[:, None]
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        visible = attention_mask[:, -num_keys:].to(self.device, torch.bool) if padded else None
+        key_positions = torch.arange(num_keys, device=self.device).unsqueeze(0)
+        return self.attention_masks(position_ids[:, -num_rows:].to(self.device), key_positions, visible)
+
+    def attention_masks(self, query_positions, key_positions, key_visible=None):
+        """Boolean masks [b, 1, rows, keys] per layer type, applying each type's rule (causal for causal layers,
+        |query - key| < window for sliding ones) and `key_visible` [b, keys]; None when nothing is hidden.
+
+        query_positions [b, rows]; key_positions [b or 1, keys] (absolute positions of the keys).
+        """
+        masks = {}
+        for layer in self.layers:
+            attention = layer.self_attn
+            if layer.attention_type in masks or (not attention.is_causal and not attention.sliding_window
+                                                 and key_visible is None):
+                continue
+            allowed = torch.ones(query_positions.shape[0], query_positions.shape[1], key_positions.shape[-1],
+                                 dtype=torch.bool, device=query_positions.device)
+            distance = query_positions[:, :, None] - key_positions[:, None, :]
+            if attention.is_causal:
+                allowed = allowed & (distance >= 0)
+            if attention.sliding_window:
+                allowed = allowed & (distance.abs() < attention.sliding_window)
+            if key_visible is not None:
+                allowed = allowed & key_visible[:, None, :]
+            masks[layer.attention_type] = allowed[:, None]
+        return masks or None
 
     # --------------------------------------------------------------------------------------- drafting
     def propose(
@@ -597,15 +597,18 @@ def _execution_device(module: nn.Module, fallback: torch.device) -> torch.device
     return fallback if device.type == "meta" else device
 
 
-def _integration():
-    """generation/integration.py here; the flat `integration.py` sibling in an exported folder."""
-    import sys
+def tap_target_features(hidden_states, layer_ids, rows: slice = slice(None)) -> torch.Tensor:
+    """The drafter's input: hidden states of target decoder layers `layer_ids` (HF output index i + 1) concatenated
+    along the feature axis, [b, rows, taps * H], on the device of the first tapped layer."""
+    device = hidden_states[layer_ids[0] + 1].device
+    return torch.cat([hidden_states[i + 1][:, rows].to(device) for i in layer_ids], dim=-1)
 
-    try:
-        from .integration import attach
-    except ImportError:
-        from generation.integration import attach
-    return sys.modules[attach.__module__]
+
+def cache_keyword(model) -> str:
+    """The name a model's forward takes its cache under: `cache` from transformers 5.24, else `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def new_draft_cache() -> DynamicCache:

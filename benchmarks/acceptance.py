@@ -1,6 +1,6 @@
 """τ of a drafter over a whole task (greedy, no timing): the acceptance length alone, on as many prompts as asked.
 
-    python -m benchmarks.acceptance --task humaneval [--num-prompts N] [--max-new-tokens 128] [--device cpu]
+    python -m dflash2.benchmarks.acceptance --task humaneval [--num-prompts N] [--max-new-tokens 128] [--device cpu]
 
 Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints
 τ = completion tokens / target forwards (prefill included) over all prompts, plus its spread over prompts.
@@ -16,9 +16,9 @@ import torch
 
 
 def main(argv=None):
-    from benchmarks.tasks import TASKS, task_prompts
-    from dflash2_cli import add_model_arguments, load_pair
-    from generation.integration import chat_prompt_ids
+    from dflash2.tasks import TASKS, task_prompts
+    from dflash2.benchmarks.common import add_model_arguments, load_pair
+    from dflash2.tasks import chat_prompt_ids
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)

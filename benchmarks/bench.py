@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.tasks import task_prompts
-from generation.integration import chat_prompt_ids
+from dflash2.tasks import task_prompts
+from dflash2.tasks import chat_prompt_ids
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Target sharded over the GPUs with `device_map`, drafter on one: greedy equality (fp32) and timings.
 
-    python -m benchmarks.device_map_check [--drafter DIR] [--num-prompts 4] [--max-new-tokens 64]
+    python -m dflash2.benchmarks.device_map_check [--drafter DIR] [--num-prompts 4] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ def split_layers(config, devices: list) -> dict:
 def main(argv=None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.bench import synchronize
-    from benchmarks.tasks import task_prompts
-    from dflash2_cli import DEFAULT_DRAFTER
-    from generation.integration import chat_prompt_ids, resolve_target_location
-    from modeling_dflash2 import DFlash2DraftModel
+    from dflash2.benchmarks.bench import synchronize
+    from dflash2.tasks import task_prompts
+    from dflash2.benchmarks.common import DEFAULT_DRAFTER
+    from dflash2.generation import resolve_target_location
+    from dflash2.tasks import chat_prompt_ids
+    from dflash2.modeling_dflash2 import DFlash2DraftModel
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER))

@@ -1,6 +1,6 @@
 """Split one DFlash 2 round into its parts: target verification, drafter pass, selection, and loop overhead.
 
-    python -m benchmarks.profile_step [--drafter DIR] [--context 512] [--repeats 30]
+    python -m dflash2.benchmarks.profile_step [--drafter DIR] [--context 512] [--repeats 30]
 
 Prints median times and the bound they imply: speedup <= tau * t_plain_step / (t_verify + t_draft + t_select).
 """
@@ -16,7 +16,7 @@ import torch
 
 
 def median_time(call, device, repeats: int) -> float:
-    from benchmarks.bench import synchronize
+    from dflash2.benchmarks.bench import synchronize
 
     for _ in range(3):
         call()
@@ -34,8 +34,9 @@ def median_time(call, device, repeats: int) -> float:
 def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int, max_new_tokens: int) -> dict:
     from transformers import DynamicCache
 
-    from generation.candidate_generator import DFlash2CandidateGenerator
-    from generation.integration import chat_prompt_ids
+    from dflash2.generation.candidate_generator import DFlash2CandidateGenerator
+    from dflash2.modeling_dflash2 import cache_keyword, tap_target_features
+    from dflash2.tasks import chat_prompt_ids
 
     device = drafter.device
     block = drafter.config.block_size
@@ -44,9 +45,8 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
     filler = torch.randint(high // 10, high, (1, max(context - ids.shape[1], 0)), device=device)
     prefix = torch.cat([filler, ids], dim=1)
     cache = DynamicCache()
-    out = target(input_ids=prefix, cache=cache, output_hidden_states=True) if _takes_cache(target) else target(
-        input_ids=prefix, past_key_values=cache, output_hidden_states=True)
-    cache_key = "cache" if _takes_cache(target) else "past_key_values"
+    cache_key = cache_keyword(target)
+    out = target(input_ids=prefix, output_hidden_states=True, **{cache_key: cache})
 
     def verify(width):
         def call():
@@ -55,9 +55,9 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
         return call
 
     generator = DFlash2CandidateGenerator(drafter, target.generation_config, None, prefix)
-    features = torch.cat([out.hidden_states[i + 1][:, -4:] for i in drafter.config.target_layer_ids], dim=-1)
-    generator.draft_block(prefix[:, -1], torch.cat([out.hidden_states[i + 1][:, :-4] for i in
-                                                    drafter.config.target_layer_ids], dim=-1))
+    taps = drafter.config.target_layer_ids
+    features = tap_target_features(out.hidden_states, taps, slice(-4, None))
+    generator.draft_block(prefix[:, -1], tap_target_features(out.hidden_states, taps, slice(None, -4)))
 
     def draft():
         generator.draft_block(prefix[:, -1], features)
@@ -76,7 +76,7 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
         "t_select": median_time(select, device, repeats),
     }
     # real generate calls: the whole round, loop overhead included, against plain decoding
-    from benchmarks.bench import timed_generate
+    from dflash2.benchmarks.bench import timed_generate
 
     speculative = dict(assistant_model=drafter, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                        do_sample=False)
@@ -101,57 +101,57 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
 
 
 @torch.no_grad()
-def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_new_tokens: int) -> dict:
-    """The fixed-shape loop (`cache_implementation="static"`, CUDA graphs on a GPU): a measured generate call, then
-    graph replays of one whole round and of its parts -- the drafter layers alone, plus the LM head and top-k on the
-    draft rows, plus the selector's pair scores and walk; the 8-token verification -- and of a 1-token target step (the
-    floor a compiled plain decoder runs at). head = (draft + head) - draft; select = (draft + head + select) -
-    (draft + head); accept = round - (draft + head + select) - verify; host = measured round - replayed round (the
-    per-round synchronisation, the Python loop, the graph launches), the measured round being a generate call's time
+def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_new_tokens: int,
+                   wait_for_fusion: bool = True) -> dict:
+    """DFlash 2's own loop (`cache_implementation="static"`; on a GPU the round replayed as a CUDA graph): a measured
+    generate call, then back-to-back runs of one whole round and of its parts -- the drafter layers alone, plus the
+    LM head and top-k on the draft rows, plus the selector's pair scores and walk; the block's verification -- and of
+    a 1-token target step (the floor a compiled plain decoder runs at), each run the way the round runs (captured
+    graphs on a GPU; compiled first when the round is fused). head = (draft + head) - draft; select = (draft + head +
+    select) - (draft + head); accept = round - (draft + head + select) - verify; host = measured round - replayed
+    round (the host reads, the Python loop, the graph launches), the measured round being a generate call's time
     after its first round (a 2-token call's time taken off), per round."""
-    from benchmarks.bench import synchronize, timed_generate
-    from generation.fast_path import Sampling
-    from generation.integration import chat_prompt_ids
+    from dflash2.benchmarks.bench import synchronize, timed_generate
+    from dflash2.generation.graphs import CapturedRound
+    from dflash2.tasks import chat_prompt_ids
 
     device = drafter.device
     ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
     kwargs = dict(assistant_model=drafter, cache_implementation="static", attention_mask=torch.ones_like(ids),
                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    target.generate(ids, **kwargs)  # compiles (or loads) the round's graphs
+    target.generate(ids, **kwargs)  # builds the round core and captures its round
+    core, runner = next(entry for entry in drafter._round_cores.values() if entry[0].batch == 1)
+    if wait_for_fusion:
+        runner.wait_for_fusion()
+    target.generate(ids, **kwargs)
     # a call that stops after its first round: prefill and set-up, to take out of the measured per-round time
     _, first_total, _ = timed_generate(target, ids, {**kwargs, "max_new_tokens": 2}, device)
     first_forwards = drafter.last_stats.target_forwards
     _, total, _ = timed_generate(target, ids, kwargs, device)
     stats = drafter.last_stats
-    decoder = drafter.__dict__["_static_decoder"]
-    compiled = decoder.compiled
+    fused = runner.kind == "graph (fused)"
 
-    # the state after the prefill and one round: fixed inputs to replay
-    start = torch.tensor(0, device=device)
-    logits, prompt_features = decoder.verify(ids, start)
-    anchor = logits[0, -1].argmax().view(())
-    prompt_positions = torch.arange(ids.shape[1], device=device)
-    start = torch.tensor(ids.shape[1], device=device)
-    block, _, _, features = decoder._round(anchor, start, prompt_features, prompt_positions, Sampling(), None)
-    write_positions = start + decoder.block_offsets
-    start = start + 1
+    # the state the call ended in (every row done, so rounds replay without advancing it)
+    block = torch.cat([core.anchor.view(-1, 1), core.mask_row.expand(core.batch, -1)], dim=1)
 
-    def draft_and_head(anchor, start, features, write_positions):  # + LM head on the draft rows and their top-k
-        hidden = decoder.draft_block(anchor, start, features, write_positions)
+    def draft_and_head():  # + LM head on the draft rows and their top-k
+        hidden = core.draft_block()
         return drafter.unary_logits(hidden[:, 1:]).float().topk(drafter.config.selector_top_k, dim=-1)
 
-    def draft_and_select(anchor, start, features, write_positions):
-        return drafter.propose(anchor.view(1), decoder.draft_block(anchor, start, features, write_positions)).tokens
+    def draft_and_select():
+        return core.propose(core.draft_block()).tokens
 
-    def graph(function):  # each piece captured on its own, as the round is
-        return torch.compile(function, mode="reduce-overhead", dynamic=False) if compiled else function
+    def plain_step():  # one token through the target at the anchor's column
+        columns = core.start.view(-1, 1)
+        core.target_cache.set_write_columns(columns)
+        return target(input_ids=block[:, :1], position_ids=columns - core.first_column.view(-1, 1),
+                      attention_mask=core.target_masks(columns), use_cache=True,
+                      **{core.cache_keyword: core.target_cache}).logits
 
-    def replayed(function, *arguments):
-        def call():
-            if compiled:
-                torch.compiler.cudagraph_mark_step_begin()
-            function(*arguments)
-        return call
+    def as_the_round_runs(function):
+        if fused:
+            function = torch.compile(function, mode="default", dynamic=False)
+        return CapturedRound(function) if device.type == "cuda" and runner.kind.startswith("graph") else function
 
     def back_to_back(call) -> float:  # no synchronisation between calls: what the device needs per call
         for _ in range(3):
@@ -163,15 +163,13 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
         synchronize(device)
         return (time.perf_counter() - started) / repeats
 
-    verify = graph(decoder.verify)  # static shapes: one graph for the 8-token block, one for the 1-token step
-    draft_inputs = (anchor, start, features, write_positions)
     timings = {
-        "t_round_replay": back_to_back(replayed(decoder.round, *draft_inputs, Sampling(), None)),
-        "t_draft_replay": back_to_back(replayed(graph(decoder.draft_block), *draft_inputs)),
-        "t_draft_head_replay": back_to_back(replayed(graph(draft_and_head), *draft_inputs)),
-        "t_draft_select_replay": back_to_back(replayed(graph(draft_and_select), *draft_inputs)),
-        "t_verify_replay": back_to_back(replayed(verify, block, start)),
-        "t_plain_step_replay": back_to_back(replayed(verify, block[:, :1], start)),
+        "t_round_replay": back_to_back(runner),
+        "t_draft_replay": back_to_back(as_the_round_runs(core.draft_block)),
+        "t_draft_head_replay": back_to_back(as_the_round_runs(draft_and_head)),
+        "t_draft_select_replay": back_to_back(as_the_round_runs(draft_and_select)),
+        "t_verify_replay": back_to_back(as_the_round_runs(lambda: core.verify(block))),
+        "t_plain_step_replay": back_to_back(as_the_round_runs(plain_step)),
     }
     timings["t_head_replay"] = timings["t_draft_head_replay"] - timings["t_draft_replay"]
     timings["t_select_replay"] = timings["t_draft_select_replay"] - timings["t_draft_head_replay"]
@@ -181,8 +179,8 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     timings["t_host"] = timings["t_round_measured"] - timings["t_round_replay"]
     timings["tau"] = stats.acceptance_length
     timings["rounds"] = stats.target_forwards - 1
-    timings["compiled"] = float(compiled)
-    # what the round costs against the floor: tau tokens per round vs one token per 1-token graph step
+    timings["fused"] = float(fused)
+    # what the round costs against the floor: tau tokens per round vs one token per 1-token step
     timings["speedup_bound_vs_graph_floor"] = stats.acceptance_length * timings["t_plain_step_replay"] / timings[
         "t_round_replay"]
     timings["speedup_bound_with_host"] = stats.acceptance_length * timings["t_plain_step_replay"] / timings[
@@ -190,14 +188,10 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     return timings
 
 
-def _takes_cache(model) -> bool:
-    import inspect
-
-    return "cache" in inspect.signature(model.forward).parameters
 
 
 def main(argv=None):
-    from dflash2_cli import add_model_arguments, load_pair
+    from dflash2.benchmarks.common import add_model_arguments, load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)

@@ -7,58 +7,11 @@ path through the top-k candidates. The loop then verifies the block with one tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-try:  # flat remote-code folder or this repository
-    from .modeling_dflash2 import draft_gumbel, new_draft_cache
-except ImportError:
-    from modeling_dflash2 import draft_gumbel, new_draft_cache
-
-
-@dataclass
-class DFlash2Stats:
-    """What one `generate` call did. `acceptance_length` (tau) = completion tokens / target forwards (prefill included).
-
-    For a batch every count is per row (`rows` sequences): tau is then the mean tokens a row gains per verification.
-    """
-
-    block_size: int
-    rows: int = 1
-    target_forwards: int = 0
-    completion_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * (self.block_size - 1)
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.completion_tokens / max(self.target_forwards, 1)
-
-    @property
-    def drafting_rounds(self) -> int:
-        return max(self.target_forwards - self.rows, 0)  # every row's prefill is a forward without drafts
-
-    def acceptance_rate_per_position(self) -> list[float]:
-        rounds = max(self.drafting_rounds, 1)
-        return [count / rounds for count in self.accepted_per_position]
-
-    def record_round(self, accepted: int) -> None:
-        """One verification forward that accepted the first `accepted` drafts of its block."""
-        self.target_forwards += 1
-        for position in range(min(accepted, self.block_size - 1)):
-            self.accepted_per_position[position] += 1
-
-    def summary(self) -> str:
-        rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position())
-        return (
-            f"tau {self.acceptance_length:.2f} ({self.completion_tokens} tokens / {self.target_forwards} target "
-            f"forwards); acceptance by block position: {rates}"
-        )
+from .modeling_dflash2 import draft_gumbel, new_draft_cache, tap_target_features
+from .stats import DFlash2Stats
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -97,7 +50,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
         # rows of the last target forward that are now verified: the whole prompt after prefill, else anchor + accepted
         num_new = input_ids.shape[1] - 1 if self.context_length == 0 else int(n_last_matches) + 1
-        features = target_features(model_outputs, self.layer_ids, num_new)
+        features = tap_target_features(model_outputs.hidden_states, self.layer_ids, slice(0, num_new))
         block_hidden = self.draft_block(input_ids[:, -1], features)
         proposal = self.drafter.propose(
             input_ids[:, -1],
@@ -147,21 +100,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         self.stats.record_round(int(num_matches))
         self.stats.completion_tokens = input_ids.shape[1] - self.prompt_length
-
-
-def target_features(model_outputs, layer_ids: list[int], num_rows: int) -> torch.Tensor:
-    """Concatenated hidden states of decoder layers `layer_ids` (outputs: HF index i + 1) for the first rows."""
-    hidden_states = model_outputs.hidden_states
-    device = hidden_states[layer_ids[0] + 1].device
-    return torch.cat([hidden_states[i + 1][:, :num_rows].to(device) for i in layer_ids], dim=-1)
-
-
-def truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """Host-side twin of `cut_after_eos` for the token lists our own loops emit."""
-    for index, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: index + 1]
-    return tokens
 
 
 def cut_after_eos(drafts: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train the SmolLM2-135M-Instruct drafters on the H200s, in two device calls of one warm lease (each <= 10 minutes).
 # Expects the staged target (../shared/device/stage-target.sh) and .carry/prompts.jsonl
-# (python -m training.prompts --out .carry/prompts.jsonl ...).
+# (python -m dflash2.training.prompts --out .carry/prompts.jsonl ...).
 #
 #   bash scripts/h200_train.sh data [NUM_PROMPTS]   # self-distillation, one prompt shard per GPU -> /tmp/data.jsonl
 #   bash scripts/h200_train.sh train [SECONDS] [D2_INIT D1_INIT [LR]]

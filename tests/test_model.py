@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from configuration_dflash2 import DFlash2Config, default_target_layer_ids
+from dflash2.configuration_dflash2 import DFlash2Config, default_target_layer_ids
 from helpers import VOCAB, tiny_drafter, tiny_target
-from modeling_dflash2 import (
+from dflash2.modeling_dflash2 import (
     DFlash2DraftModel,
     DFlash2DynamicConv,
     dynamic_block_conv,
@@ -18,9 +18,9 @@ from modeling_dflash2 import (
     walk_path,
 )
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
-if not REFERENCE.is_dir():  # CI clones the repo with shared/ beside it as well
-    REFERENCE = Path(__file__).resolve().parents[1] / "shared" / "reference"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # published configs and tensor tables (see its README.md)
+DFLASH2_FOLDER = FIXTURES / "published-dflash2"
+DFLASH1_FOLDER = FIXTURES / "published-dflash1"
 
 
 # ------------------------------------------------------------------------------------------------ naive references
@@ -164,7 +164,7 @@ def test_forward_with_cache_equals_forward_over_whole_context():
     features = torch.randn(1, 10, 3 * 64)
     block = torch.tensor([[9] + [drafter.config.mask_token_id] * 3])
     whole = drafter(input_ids=block, context_hidden_states=features, position_ids=torch.arange(14)[None])
-    from modeling_dflash2 import new_draft_cache
+    from dflash2.modeling_dflash2 import new_draft_cache
 
     cache = new_draft_cache()
     drafter(input_ids=block, context_hidden_states=features[:, :6], position_ids=torch.arange(10)[None], cache=cache)
@@ -189,21 +189,18 @@ def test_block_rows_attend_bidirectionally_unless_causal():
 
 
 def test_published_dflash2_layout_matches_reference_exactly():
-    config = DFlash2Config.from_pretrained(REFERENCE / "dflash2-config.json")
+    config = DFlash2Config.from_pretrained(DFLASH2_FOLDER)
     with torch.device("meta"):
         model = DFlash2DraftModel(config)
-    reference = json.loads((REFERENCE / "dflash2-tensor-shapes.json").read_text())["tensors"]
+    reference = json.loads((DFLASH2_FOLDER / "tensor-shapes.json").read_text())["tensors"]
     ours = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
     assert ours == reference and len(ours) == 81
 
 
 def test_published_dflash1_layout_has_58_tensors():
-    published = json.loads((REFERENCE / "dflash2-config.json").read_text())
-    published["architectures"] = ["DFlashDraftModel"]
-    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        published["dflash_config"].pop(key)
-    config = DFlash2Config.from_dict(published)
-    assert config.dflash_version == 1
+    published = json.loads((DFLASH1_FOLDER / "config.json").read_text())
+    for config in (DFlash2Config.from_dict(published), DFlash2Config.from_pretrained(DFLASH1_FOLDER)):
+        assert config.dflash_version == 1 and config.mask_token_id == 201818
     with torch.device("meta"):
         names = set(DFlash2DraftModel(config).state_dict())
     assert len(names) == 58
@@ -217,7 +214,7 @@ def test_published_dflash1_layout_has_58_tensors():
 
 
 def test_published_dialect_fields():
-    config = DFlash2Config.from_pretrained(REFERENCE / "dflash2-config.json")
+    config = DFlash2Config.from_pretrained(DFLASH2_FOLDER)
     assert config.model_type == "dflash2"
     assert (config.block_size, config.mask_token_id, config.selector_top_k) == (16, 201818, 16)
     assert config.target_layer_ids == [1, 13, 25, 37, 49]
@@ -251,7 +248,7 @@ def test_save_load_round_trip(tmp_path):
                        loaded(input_ids=block, context_hidden_states=features).last_hidden_state)
     assert loaded.config.to_dict()["selector_rank"] == drafter.config.selector_rank
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert saved["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
+    assert saved["auto_map"]["AutoModel"] == "auto.DFlash2Drafter"
 
 
 def test_drafter_never_stores_target_parts(tmp_path):

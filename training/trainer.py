@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from generation.integration import atomic_folder
-from modeling_dflash2 import DFlash2DraftModel, bilinear_scores
+from dflash2.generation.export import atomic_folder
+from dflash2.modeling_dflash2 import DFlash2DraftModel, bilinear_scores, tap_target_features
 
 
 @dataclass
@@ -185,7 +185,7 @@ def held_out_tau(drafter, target, batches, layer_ids, device) -> float:
 def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         hidden_states = target(input_ids=token_ids, output_hidden_states=True).hidden_states
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return tap_target_features(hidden_states, layer_ids)
 
 
 # ------------------------------------------------------------------------------------------------ data

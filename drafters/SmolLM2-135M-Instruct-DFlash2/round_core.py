@@ -1,0 +1,1 @@
+../../generation/round_core.py

@@ -1,0 +1,134 @@
+"""DFlash 2's own decoding loop around the round core: prefill, queue rounds, read the token stream, stop.
+
+`target.generate(..., assistant_model=drafter)` lands here for a batch (left-padded rows, each accepting its own
+number of drafts) and for one prompt with `cache_implementation="static"`; one prompt without it runs in transformers'
+assisted loop (`candidate_generator.py`), which honours every logits processor.
+
+The host reads the device once every few rounds: how many tokens each row has and whether it is done (EOS or
+max_new_tokens). Rounds queued between two reads never overshoot max_new_tokens (at most a block per round), and a
+row that finished earlier freezes on the device, so the output is exact whatever the read interval.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .graphs import RoundRunner
+from .round_core import RoundCore
+from .sampling import Sampling, eos_token_ids
+from .stats import DFlash2Stats, truncate_at_eos
+
+ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
+MIN_CAPACITY = 2048  # columns; capacities grow in powers of two so most requests share one set of buffers
+
+
+def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
+                      compile: bool | None = None, generator: torch.Generator | None = None):
+    """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate."""
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    check_left_padded(attention_mask)
+    if streamer is not None and batch > 1:
+        raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
+    max_new_tokens = generation_config.max_new_tokens or (generation_config.max_length - length)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token.")
+    sampling = Sampling.from_generation_config(generation_config)
+    eos = eos_token_ids(generation_config)
+    pad = generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+
+    bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
+    needed = max(length, drafter.config.block_size) + max_new_tokens + drafter.config.block_size
+    core, runner = round_core_for(target, drafter, bucket, needed, sampling, eos, compile)
+    if bucket > batch:  # empty rows: no real token, done from the start
+        input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
+        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
+    runner.begin_call()
+    core.prefill(input_ids, attention_mask, max_new_tokens, generator)
+    if bucket > batch:
+        core.done[batch:] = True
+    if streamer is not None:
+        streamer.put(input_ids[:1].cpu())
+    streamed = 0
+    remaining = max_new_tokens - 1
+    while True:
+        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size))
+        for _ in range(rounds):
+            if sampling.do_sample:
+                core.draw_noise(generator)
+            runner()
+        # the one host read: done flags and lengths (and row 0's new tokens when streaming)
+        read = [core.done.long(), core.output_length]
+        if streamer is not None:
+            read.append(core.output[0, streamed: max_new_tokens])
+        values = torch.cat(read).tolist()
+        done, lengths = values[:bucket], values[bucket: 2 * bucket]
+        if streamer is not None:
+            new = truncate_at_eos(values[2 * bucket: 2 * bucket + lengths[0] - streamed], set(eos))
+            if new:
+                streamer.put(torch.tensor(new))
+            streamed = lengths[0]
+        if all(done):
+            break
+        remaining = min(max_new_tokens - n for n, d in zip(lengths, done) if not d)
+    if streamer is not None:
+        streamer.end()
+    return finish(core, drafter, input_ids[:batch], batch, max_new_tokens, eos, pad)
+
+
+def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int, eos, pad: int) -> torch.Tensor:
+    """Rows' tokens cut at their EOS and at max_new_tokens, right-padded with `pad`; statistics into last_stats."""
+    lengths = core.output_length[:batch].tolist()
+    outputs = [truncate_at_eos(row[:n], set(eos))[:max_new_tokens]
+               for row, n in zip(core.output[:batch].tolist(), lengths)]
+    stats = DFlash2Stats(drafter.config.block_size, rows=batch)
+    stats.target_forwards = batch + int(core.rounds[:batch].sum())
+    stats.accepted_per_position = core.accepted_per_position[:batch].sum(0).tolist()
+    stats.completion_tokens = sum(len(t) for t in outputs)
+    drafter.last_stats = stats
+    width = max(len(t) for t in outputs)
+    generated = torch.full((batch, width), pad, dtype=torch.long)
+    for row, tokens in enumerate(outputs):
+        generated[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
+
+
+def round_core_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | None):
+    """The (core, runner) for this shape, built once per (target, batch bucket, capacity, sampling, eos, mode).
+
+    Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
+    captured graphs; a longer one builds a core of twice the capacity.
+    """
+    cores = drafter.__dict__.setdefault("_round_cores", {})
+    graphs = drafter.device.type == "cuda" and single_device(target, drafter)
+    # CUDA: the eager round captured at once, fused by inductor in the background (compile=None), synchronously
+    # (True) or never (False). CPU or a target spread over devices: plain calls, or inductor when compile=True.
+    mode = ("compile" if compile else "graph") if graphs else ("compile" if compile else "eager")
+    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode)
+    entry = cores.get(key)
+    if entry is None or entry[0].capacity < needed:
+        capacity = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+
+        def build():
+            return RoundCore(target, drafter, batch, capacity, sampling, eos)
+
+        core = build()
+        runner = RoundRunner(core, mode, fuse=compile is None, make_scratch=build)
+        entry = cores[key] = (core, runner)
+    return entry
+
+
+def single_device(target, drafter) -> bool:
+    devices = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+    return len(devices) == 1
+
+
+def check_left_padded(attention_mask: torch.Tensor) -> None:
+    """Each row's mask must be zeros (padding) then ones (the prompt): anything else would hide prompt tokens."""
+    mask = attention_mask.bool()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+        raise ValueError("DFlash 2 needs left-padded prompts: each row's attention_mask must be 0 (padding) before "
+                         "its prompt and 1 from its first token to the end. Set tokenizer.padding_side = 'left', or "
+                         "drop the mask if the prompt has no padding.")

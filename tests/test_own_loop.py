@@ -1,0 +1,293 @@
+"""DFlash 2's own loop (the round core): one prompt with cache_implementation="static", and batches (each row equals
+plain greedy of that row alone); exact sampling; the vectorised pieces against naive loops."""
+
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from dflash2.generation.round_core import RoundCore
+from dflash2.generation.sampling import Sampling, speculative_accept, warped_probabilities
+from helpers import (EOS, VOCAB, assert_follows, check_sampling_is_exact, exact_distribution_of_step, sampling_case,
+                     tiny_drafter, tiny_target)
+
+
+def left_pad(prompts, pad=0):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def alone(target, prompt, **kwargs):
+    """Plain greedy of one row on its own: the new tokens only."""
+    ids = torch.tensor([prompt])
+    return target.generate(ids, do_sample=False, **kwargs)[0, len(prompt):].tolist()
+
+
+def new_tokens(row_output, width, pad, eos):
+    tokens = row_output[width:].tolist()
+    if eos in tokens:
+        return tokens[: tokens.index(eos) + 1]
+    while tokens and tokens[-1] == pad:  # padding after a row that stopped at max_new_tokens never happens
+        break
+    return tokens
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Overwrite a random-length prefix of each row's drafts with that row's reference continuation (new tokens),
+    so rounds accept 0 .. B-1 drafts."""
+    state = {"references": None, "rng": random.Random(0)}
+    original = RoundCore.propose
+
+    def propose(self, hidden):
+        proposal = original(self, hidden)
+        if state["references"] is None:
+            return proposal
+        tokens = proposal.tokens.clone()
+        for row, emitted in enumerate(self.output_length.tolist()[: len(state["references"])]):
+            reference = state["references"][row]
+            usable = max(0, min(state["rng"].randint(0, tokens.shape[1]), len(reference) - emitted))
+            tokens[row, :usable] = torch.tensor(reference[emitted: emitted + usable], dtype=torch.long)
+        proposal.tokens = tokens
+        return proposal
+
+    monkeypatch.setattr(RoundCore, "propose", propose)
+    return state
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [2, 5, 8])
+def test_batched_greedy_rows_equal_plain_greedy_alone(arch, batch, oracle):
+    target = tiny_target(arch, seed=batch)
+    drafter = tiny_drafter(target, seed=batch, block_size=[4, 8][batch % 2]).attach(target)
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 9))] for _ in range(batch)]
+    max_new = rng.choice([9, 17, 24])
+    references = [alone(target, p, max_new_tokens=max_new) for p in prompts]
+    oracle["references"] = references
+    ids, mask = left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                          assistant_model=drafter)
+    for row in range(batch):
+        assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row], row
+    stats = drafter.last_stats
+    assert stats.target_forwards < batch * max_new  # one verification per step for the whole batch
+    assert stats.accepted_per_position[0] > 0
+
+
+def test_batched_rows_stop_at_their_own_eos(oracle):
+    target = tiny_target("llama", seed=9)
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    prompts = [[5, 9, 14], [20, 7, 31, 40, 41], [8]]
+    free = [alone(target, p, max_new_tokens=20, eos_token_id=None) for p in prompts]
+    eos = free[1][3]  # a token the second row emits early
+    references = [alone(target, p, max_new_tokens=20, eos_token_id=eos) for p in prompts]
+    oracle["references"] = free
+    ids, mask = left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0, assistant_model=drafter)
+    for row in range(3):
+        got = out[row, ids.shape[1]:].tolist()
+        assert got[: len(references[row])] == references[row]
+        assert all(t == 0 for t in got[len(references[row]):])  # padded after its end
+
+
+@pytest.mark.parametrize("mask", [[[1, 1, 0], [1, 1, 1]], [[1, 0, 1], [1, 1, 1]]], ids=["right", "hole"])
+@pytest.mark.parametrize("static", [False, True])
+def test_right_padding_and_holes_are_refused_clearly(mask, static):
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    ids = torch.tensor([[5, 6, 0], [7, 8, 9]])
+    extra = dict(cache_implementation="static") if static else {}
+    with pytest.raises(ValueError, match="needs left-padded prompts"):
+        target.generate(ids[:1] if static else ids, attention_mask=torch.tensor(mask)[:1] if static else torch.tensor(
+            mask), max_new_tokens=4, assistant_model=drafter, **extra)
+
+
+def test_batched_sampling_keeps_each_rows_distribution():
+    """Two identical rows in one batch: each row's second token follows the target's distribution."""
+    draws = 500
+    target, drafter = sampling_case()
+    prompt = [5, 6, 7]
+    ids, mask = left_pad([prompt, prompt, prompt[1:]])
+    generation = dict(do_sample=True, top_k=0, temperature=0.8, max_new_tokens=3, eos_token_id=None)
+    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
+    torch.manual_seed(0)
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+    for _ in range(draws):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **generation)
+        for row in (0, 1):
+            counts[out[row, ids.shape[1] + 1]] += 1
+    assert_follows(counts, exact_distribution_of_step(target, torch.tensor([prompt]), 1, processors) * 2 * draws)
+
+
+def test_batched_through_custom_generate(tmp_path):
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, seed=4)
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = [[5, 9, 14, 3 + 20], [7, 31]]
+    references = [alone(target, p, max_new_tokens=12) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    for row in range(2):
+        assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
+    assert target._dflash2_drafter.last_stats.target_forwards > 0
+
+
+def test_batches_above_the_speculative_limit_fall_back_with_a_warning():
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, max_speculative_batch_size=2).attach(target)
+    prompts = [[5, 9, 14], [20, 7], [8, 8, 8, 8]]
+    references = [alone(target, p, max_new_tokens=10) for p in prompts]
+    ids, mask = left_pad(prompts)
+    drafter.last_stats = None
+    with pytest.warns(UserWarning, match="max_speculative_batch_size=2"):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=drafter)
+    assert drafter.last_stats is None  # the drafter did not run
+    for row in range(3):
+        assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
+    with pytest.raises(ValueError, match="max_speculative_batch_size"):
+        tiny_drafter(target, max_speculative_batch_size=0)
+
+
+# ------------------------------------------------------------------------------------------------ one prompt, static
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("seed", range(3))
+def test_static_greedy_equals_plain_greedy(arch, seed, oracle):
+    target = tiny_target(arch, seed=seed)
+    drafter = tiny_drafter(target, seed=seed + 20, block_size=[4, 5, 8][seed]).attach(target)
+    rng = random.Random(seed)
+    for case in range(4):
+        ids = torch.randint(4, VOCAB, (1, rng.randint(1, 10)), generator=torch.Generator().manual_seed(case))
+        max_new = rng.choice([1, 3, 11, 26])
+        reference = target.generate(ids, max_new_tokens=max_new, do_sample=False)
+        oracle["references"] = [reference[0, ids.shape[1]:].tolist()]
+        static = target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=drafter,
+                                 cache_implementation="static")
+        assert torch.equal(static, reference), (case, max_new)
+    assert drafter.last_stats.target_forwards <= drafter.last_stats.completion_tokens
+
+
+def test_static_loop_accepts_long_prefixes(oracle):
+    target = tiny_target("llama", seed=1)
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+    oracle["references"] = [reference[0, 6:].tolist()]
+    static = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                             cache_implementation="static")
+    assert torch.equal(static, reference)
+    assert drafter.last_stats.acceptance_length > 2.0
+
+
+def test_static_greedy_stops_at_eos(oracle):
+    target = tiny_target("qwen3", seed=3)
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    free_run = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    eos = free_run[0, 5 + 2].item()
+    reference = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    oracle["references"] = [free_run[0, 5:].tolist()]
+    static = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant_model=drafter,
+                             cache_implementation="static")
+    assert torch.equal(static, reference)
+
+
+def test_static_path_refuses_processors_it_cannot_apply():
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    with pytest.raises(ValueError, match="temperature, top_k and top_p only"):
+        target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, repetition_penalty=1.2, assistant_model=drafter,
+                        cache_implementation="static")
+
+
+def test_static_path_attends_to_pad_tokens_inside_the_prompt(oracle):
+    """A chat template's end-of-turn token is often the pad token: with an explicit all-ones mask, plain decoding
+    attends to it, and so must our loop (which never infers a mask from token values)."""
+    target = tiny_target("llama", seed=4)
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    pad = 3
+    ids = torch.tensor([[7, 9, pad, 11, 12, pad, 15]])
+    reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                pad_token_id=pad, eos_token_id=None)
+    oracle["references"] = [reference[0, 7:].tolist()]
+    for mask in (None, torch.ones_like(ids)):
+        static = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=pad,
+                                 eos_token_id=None, assistant_model=drafter, cache_implementation="static")
+        assert torch.equal(static, reference)
+
+
+def test_one_set_of_buffers_serves_every_prompt_length(oracle):
+    """Prompts of many lengths reuse one core (the same buffers a GPU captures once); a longer request grows it."""
+    target = tiny_target("llama", seed=5)
+    drafter = tiny_drafter(target, block_size=4).attach(target)
+    for length in (1, 2, 3, 5, 8, 13, 21):
+        ids = torch.randint(4, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+        oracle["references"] = [reference[0, length:].tolist()]
+        assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                                           cache_implementation="static"), reference)
+    assert len(drafter._round_cores) == 1
+    core = next(iter(drafter._round_cores.values()))[0]
+    long_ids = torch.randint(4, VOCAB, (1, core.capacity), generator=torch.Generator().manual_seed(0))
+    target.config.max_position_embeddings = 8 * core.capacity
+    target.generate(long_ids, max_new_tokens=2, do_sample=False, assistant_model=drafter,
+                    cache_implementation="static")
+    assert max(entry[0].capacity for entry in drafter._round_cores.values()) >= 2 * core.capacity
+
+
+# ------------------------------------------------------------------------------------------------ sampling pieces
+@pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(temperature=1.3,
+                                                                                                  top_k=9, top_p=0.9)])
+def test_warped_probabilities_match_transformers_warpers(settings):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40) * 3
+    warpers = LogitsProcessorList()
+    if "temperature" in settings:
+        warpers.append(TemperatureLogitsWarper(settings["temperature"]))
+    if "top_k" in settings:
+        warpers.append(TopKLogitsWarper(settings["top_k"]))
+    if "top_p" in settings:
+        warpers.append(TopPLogitsWarper(settings["top_p"]))
+    want = warpers(None, logits.clone()).softmax(-1)
+    got = warped_probabilities(logits, Sampling(True, settings.get("temperature", 1.0), settings.get("top_k", 0),
+                                                settings.get("top_p", 1.0)))
+    torch.testing.assert_close(got, want)
+
+
+def naive_speculative_accept(drafts, q, p, uniform, gumbel):
+    """One position at a time, as the algorithm is written in the papers."""
+    for t in range(len(drafts)):
+        token = drafts[t]
+        if uniform[t] * q[t, token] < p[t, token]:
+            continue
+        residual = (p[t] - q[t]).clamp(min=0)
+        residual = p[t] if residual.sum() <= 0 else residual
+        return t, int((residual.log() + gumbel).argmax())
+    return len(drafts), int((p[len(drafts)].log() + gumbel).argmax())
+
+
+def test_speculative_accept_matches_naive_loop():
+    torch.manual_seed(4)
+    for _ in range(200):
+        rows, vocab = 5, 9
+        q = torch.randn(1, rows, vocab).mul(2).softmax(-1)
+        p = torch.randn(1, rows + 1, vocab).mul(2).softmax(-1)
+        drafts = torch.multinomial(q[0], 1).view(1, rows)
+        uniform = torch.rand(1, rows)
+        gumbel = -torch.log(-torch.log(torch.rand(1, vocab)))
+        accepted, next_token = speculative_accept(drafts, q, p, uniform, gumbel)
+        want = naive_speculative_accept(drafts[0], q[0], p[0], uniform[0], gumbel[0])
+        assert (int(accepted), int(next_token)) == want
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.85)])
+def test_static_sampling_reproduces_the_target_distribution(settings):
+    check_sampling_is_exact(settings, draws=1200, cache_implementation="static")
