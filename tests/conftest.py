@@ -1,9 +1,24 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch and transformers are imported:
+# - one CPU thread per test process unless OMP_NUM_THREADS says otherwise: the tests run tiny models, where a second
+#   thread buys nothing on a quiet 2-core machine and costs a lot on a loaded one (OpenMP threads spin-wait on each
+#   other: the suite took 7 min with one thread and over 26 min with torch's default on a busy 2-core machine);
+#   subprocesses (the fresh-process test) inherit the setting;
+# - inductor compiles in this process instead of starting a pool of compile workers (on 2 cores the pool's start
+#   costs more than it saves, and its workers outlive an interrupted run);
+# - the Hub is never contacted: the tests read only what the repository and the installed packages hold, so anything
+#   that reaches for the Hub fails at once instead of retrying for a minute.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
 
