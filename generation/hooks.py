@@ -12,8 +12,11 @@ import copy
 import functools
 import warnings
 
+import torch
+
 from .candidate_generator import DFlash2CandidateGenerator
 from .decode import own_loop_generate
+from .stats import DFlash2Stats
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
 # beyond it the verification of batch x block tokens stops being latency-bound and speculation costs time.
@@ -45,11 +48,14 @@ def attach(drafter, target, use_by_default: bool = False):
                                  assistant_model=None, *args, **kwargs):
         if is_dflash2_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
             return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids)
-        return original_get_candidate_generator(
+        generator = original_get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
             *args, **kwargs,
         )
+        if is_dflash2_drafter(assistant_model):  # transformers' own DFlash path: count its rounds into last_stats
+            record_stats_of(generator, assistant_model, input_ids.shape[1])
+        return generator
 
     @functools.wraps(original_generate)
     def generate(*args, **kwargs):
@@ -63,12 +69,21 @@ def attach(drafter, target, use_by_default: bool = False):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
                 return _own_loop(target, args, kwargs)
+        if kwargs.get("cache_implementation") == "static" or kwargs.get("compile_config") is not None:
+            # transformers is about to torch.compile the target; FX tracing is process-global, so a background
+            # compile of our round must not be running at the same time
+            wait_for_background_compiles(target._dflash2_drafter)
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
     target.generate = generate
     target._dflash2_drafter = drafter
     return target
+
+
+def wait_for_background_compiles(drafter) -> None:
+    for _, runner in getattr(drafter, "_round_cores", {}).values():
+        runner.wait_for_fusion()
 
 
 def detach(target):
@@ -143,6 +158,20 @@ def _refuse_unsupported_processors(config) -> None:
                          "logits processor.")
 
 
+def record_stats_of(generator, drafter, prompt_length: int) -> None:
+    """Make a candidate generator of transformers' (the built-in `speculation_type="dflash"` path) fill
+    `drafter.last_stats` as our own generator does: one round per verification forward, prefill included."""
+    stats = drafter.last_stats = DFlash2Stats(drafter.config.block_size)
+    update = generator.update_candidate_strategy
+
+    def update_candidate_strategy(input_ids, scores, num_matches):
+        stats.record_round(int(num_matches))
+        stats.completion_tokens = input_ids.shape[1] - prompt_length
+        return update(input_ids, scores, num_matches)
+
+    generator.update_candidate_strategy = update_candidate_strategy
+
+
 def _other_speculation(kwargs) -> bool:
     return any(kwargs.get(k) is not None for k in ("prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate"))
 
@@ -167,6 +196,35 @@ def check_request(target, drafter, args, kwargs) -> None:
             f"DFlash 2 speculative decoding returns one sequence per prompt (num_return_sequences={num_sequences}). "
             "Repeat the prompt in the batch instead, or drop assistant_model."
         )
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if inputs is None or not hasattr(inputs, "dim") or inputs.dim() != 2:
+        return
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and inputs.shape[1] > limit:
+        raise ValueError(
+            f"The prompt has {inputs.shape[1]} tokens, more than the target's max_position_embeddings={limit}. "
+            f"Shorten it to fewer than {limit} tokens, e.g. tokenizer(..., truncation=True, max_length={limit - 1})."
+        )
+    if inputs.shape[0] > 1 and kwargs.get("attention_mask") is None:
+        _refuse_padding_without_mask(inputs, kwargs.get("pad_token_id", getattr(config, "pad_token_id", None)))
+
+
+def _refuse_padding_without_mask(inputs, pad) -> None:
+    """A batch without attention_mask: padding at either end would be read as prompt tokens."""
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if pad is None:
+        return
+    pad = int(pad)
+    ends, starts = torch.stack([inputs[:, -1] == pad, inputs[:, 0] == pad]).tolist()  # one host read
+    for side, flags, verb, fix in (("right", ends, "ends", "Pad on the left (tokenizer.padding_side = 'left') and pass"),
+                                   ("left", starts, "starts", "Pass")):
+        if any(flags):
+            raise ValueError(
+                f"DFlash 2 got a batch of {inputs.shape[0]} prompts without attention_mask, and row {flags.index(True)} "
+                f"{verb} with the pad token {pad}: a {side}-padded batch. {fix} the attention_mask the tokenizer "
+                "returns (tokenizer(prompts, padding=True, return_tensors='pt'))."
+            )
 
 
 def _batch_size(args, kwargs) -> int:
