@@ -102,7 +102,7 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
 
 @torch.no_grad()
 def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_new_tokens: int,
-                   wait_for_fusion: bool = True) -> dict:
+                   compile: bool | None = None) -> dict:
     """DFlash 2's own loop (`cache_implementation="static"`; on a GPU the round replayed as a CUDA graph): a measured
     generate call, then back-to-back runs of one whole round and of its parts -- the drafter layers alone, plus the
     LM head and top-k on the draft rows, plus the selector's pair scores and walk; the block's verification -- and of
@@ -118,12 +118,11 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     device = drafter.device
     ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
     kwargs = dict(assistant_model=drafter, cache_implementation="static", attention_mask=torch.ones_like(ids),
-                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    target.generate(ids, **kwargs)  # builds the round core and captures its round
-    core, runner = next(entry for entry in drafter._round_cores.values() if entry[0].batch == 1)
-    if wait_for_fusion:
-        runner.wait_for_fusion()
-    target.generate(ids, **kwargs)
+                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                  compile=compile)
+    target.generate(ids, **kwargs)  # builds the round core and captures (compiles) its round
+    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+    core = runner.core
     # a call that stops after its first round: prefill and set-up, to take out of the measured per-round time
     _, first_total, _ = timed_generate(target, ids, {**kwargs, "max_new_tokens": 2}, device)
     first_forwards = drafter.last_stats.target_forwards

@@ -5,13 +5,16 @@
 Reports, in one process on one machine:
 - cold start: the wall time of the first call of `--first` (compile or capture included), then of the other method;
 - a first pass over the prompts (what the first minutes look like; `kind` says which round ran each call);
-- the steady state (after DFlash 2's fused round exists): tokens/s, tau, speedup, per-prompt median and max;
+- the steady state: tokens/s, tau, speedup, per-prompt median and max (`--compile`: DFlash 2's inductor-fused round);
 - `--sweep N`: N prompts of N distinct token lengths, fixed new-token count (EOS ignored), at batch 1 and batch 8:
   slowest over median per-prompt time (a recompile or a capture would show as a stall);
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
 - the round's device time (back-to-back graph replays) against its wall time inside a generate call.
-Run it twice in fresh processes (the second finds torch's on-disk compile caches warm) and once with
-`--first plain --quick` against a fresh TORCHINDUCTOR_CACHE_DIR for compiled plain decoding's own cold start.
+Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
+that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
+methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
+transformers' cudagraph-tree compile of plain decoding ran in the same process hit an illegal memory access on the
+H200 (torch 2.11; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -65,12 +68,19 @@ def main(argv=None):
     parser.add_argument("--skip-humaneval", type=int, default=100, help="HumanEval prompts to leave out first")
     parser.add_argument("--skip-mtbench", type=int, default=40, help="MT-Bench prompts to leave out first")
     parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
+    parser.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
+                        "compiled on the first call, captured as a CUDA graph")
+    parser.add_argument("--methods", default="dflash2,plain",
+                        help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
+                             "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
     parser.add_argument("--quick", action="store_true", help="cold starts and the first pass only")
     parser.add_argument("--sweep", type=int, default=30, help="prompts of distinct lengths for the stall check (0: "
                         "skip)")
     parser.add_argument("--sweep-tokens", type=int, default=128, help="new tokens per sweep call (EOS ignored)")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16])
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--sections", default="cold,steady,round,sweep,batches",
+                        help="comma-separated parts to run (cold = cold start and first pass)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each part)")
     parser.set_defaults(max_new_tokens=256)
     args = parser.parse_args(argv)
 
@@ -84,7 +94,8 @@ def main(argv=None):
                for task, ps in prompts.items()}
     common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
-               "dflash2": dict(cache_implementation="static", assistant_model=drafter)}
+               "dflash2": dict(cache_implementation="static", assistant_model=drafter,
+                               **({"compile": True} if args.compile else {}))}
     results = {"settings": {"command": "python -m dflash2.benchmarks.speed " + " ".join(argv or []),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
@@ -94,7 +105,7 @@ def main(argv=None):
 
     def runner_kind():
         entries = getattr(drafter, "_round_cores", {})
-        return next((entry[1].kind for entry in entries.values() if entry[0].batch == 1), None)
+        return next((runner.kind for runner in entries.values() if runner.core.batch == 1), None)
 
     def call(method, ids, **extra):
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
@@ -102,70 +113,87 @@ def main(argv=None):
         stats = drafter.last_stats if method == "dflash2" else None
         return out, seconds, out.shape[1] - ids.shape[1], stats
 
-    # ---- cold start: the first call of each method in this process (prompt 0 of HumanEval)
-    first_ids = encoded["humaneval"][0]
-    order = [args.first, "plain" if args.first == "dflash2" else "dflash2"]
-    cold = {}
-    for method in order:
-        _, seconds, tokens, _ = call(method, first_ids)
+    # ---- cold start and first pass, one method after the other: the first call of each in this process (prompt 0
+    # of HumanEval), then every prompt once, as a user's first minutes go.
+    sections = set(args.sections.split(","))
+    selected = args.methods.split(",")
+    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2"] if m in selected]
+    cold, first_pass = {}, []
+    for method in order if "cold" in sections else []:
+        _, seconds, tokens, _ = call(method, encoded["humaneval"][0])
         cold[method] = {"first_call_s": round(seconds, 3), "tokens": tokens,
                         "since_process_start_s": round(time.perf_counter() - PROCESS_STARTED, 2)}
         if method == "dflash2":
             cold[method]["round"] = runner_kind()
-    results["cold_start"] = {"order": order, **cold}
-    print("cold start:", json.dumps(results["cold_start"]), flush=True)
-
-    # ---- first pass: every prompt once, as a user's first minutes go
-    first_pass = []
-    for task, items in encoded.items():
-        for index, ids in enumerate(items):
-            row = {"task": task, "prompt": index + (args.skip_humaneval if task == "humaneval" else args.skip_mtbench)}
-            for method in order:
+        for task, items in encoded.items():
+            for index, ids in enumerate(items):
                 _, seconds, tokens, _ = call(method, ids)
-                row[method] = {"s": round(seconds, 4), "tokens": tokens}
-            row["dflash2_round"] = runner_kind()
-            first_pass.append(row)
+                first_pass.append({"method": method, "task": task, "s": round(seconds, 4), "tokens": tokens,
+                                   "prompt": index + (args.skip_humaneval if task == "humaneval" else
+                                                      args.skip_mtbench),
+                                   "round": runner_kind() if method == "dflash2" else None})
+    results["cold_start"] = {"order": order, **cold}
     results["first_pass"] = first_pass
-    runner = next(entry[1] for entry in drafter._round_cores.values() if entry[0].batch == 1)
+    print("cold start:", json.dumps(results["cold_start"]), flush=True)
+    save(results, args.out)
+    if "dflash2" not in selected:
+        for task, items in encoded.items():  # steady state of plain decoding alone
+            times = [call("plain", ids)[1:3] for ids in items]
+            results.setdefault("steady", {})[task] = {"plain": summary([t for t, _ in times], sum(n for _, n in times))}
+        if "sweep" in sections and args.sweep:
+            results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
+        return finish(results, args.out)
+    call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
+    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
     if args.quick:
-        results["fusion"] = {"ready_after_first_pass": runner.kind == "graph (fused)",
-                             "fuse_seconds": runner.fuse_seconds}
         return finish(results, args.out)
 
     # ---- steady state
-    waited = time.perf_counter()
-    fused = runner.wait_for_fusion()
-    results["fusion"] = {"fused": fused, "fuse_seconds": runner.fuse_seconds,
-                         "waited_after_first_pass_s": round(time.perf_counter() - waited, 2),
-                         "error": repr(runner.fuse_error) if runner.fuse_error else None}
+    results["round_kind"] = runner.kind
     steady = {}
-    for task, items in encoded.items():
+    for task, items in encoded.items() if "steady" in sections else []:
         rows = {"plain": [], "dflash2": []}
         taus, forwards, agree = [], 0, 0
         for ids in items:
-            plain_out, plain_s, plain_tokens, _ = call("plain", ids)
             out, s, tokens, stats = call("dflash2", ids)
-            rows["plain"].append((plain_s, plain_tokens))
             rows["dflash2"].append((s, tokens))
             forwards += stats.target_forwards
-            agree += int(torch.equal(out, plain_out))
+            if "plain" in selected:
+                plain_out, plain_s, plain_tokens, _ = call("plain", ids)
+                rows["plain"].append((plain_s, plain_tokens))
+                agree += int(torch.equal(out, plain_out))
         entry = {}
         for method, pairs in rows.items():
-            entry[method] = summary([p[0] for p in pairs], sum(p[1] for p in pairs))
+            if pairs:
+                entry[method] = summary([p[0] for p in pairs], sum(p[1] for p in pairs))
         entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
-        entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
-        entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
+        if "plain" in selected:
+            entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+            entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         steady[task] = entry
         print(task, json.dumps(entry), flush=True)
     results["steady"] = steady
+    save(results, args.out)
 
     # ---- the round's device time against its wall time (batch 1, one prompt, EOS ignored)
+    if "round" in sections:
+        measure_round(results, call, encoded, drafter, runner, device)
+        save(results, args.out)
+    if "sweep" in sections and args.sweep:
+        results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
+        save(results, args.out)
+    if "batches" in sections and args.batch_sizes:
+        results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad)
+    return finish(results, args.out)
+
+
+def measure_round(results, call, encoded, drafter, runner, device):
     ids = encoded["humaneval"][0]
     _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
     rounds_full = stats.target_forwards - 1
     _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)
     rounds_head = stats2.target_forwards - 1
-    core = next(entry[0] for entry in drafter._round_cores.values() if entry[0].batch == 1)
+    core = runner.core
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     for _ in range(5):
         runner()
@@ -181,67 +209,69 @@ def main(argv=None):
                         "tau": round(stats.acceptance_length, 3)}
     print("round:", json.dumps(results["round"]), flush=True)
 
-    # ---- stall check: prompts of distinct lengths, fixed new-token count
-    if args.sweep:
-        pool = [ids for items in encoded.values() for ids in items]
-        pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
-                 for task in ("humaneval", "mtbench") for p in task_prompts(task, 40, skip=60 if task == "humaneval"
-                                                                              else 0)]
-        by_length = {}
-        for ids in pool:
-            by_length.setdefault(ids.shape[1], ids)
-        lengths = sorted(by_length)[: args.sweep]
-        sweep = {}
-        for batch in (1, 8):
-            times = {"plain": [], "dflash2": []}
-            for i, length in enumerate(lengths):
-                rows = [by_length[lengths[(i + j) % len(lengths)]][0].tolist() for j in range(batch)]
-                ids, mask = left_pad(rows, pad)
-                ids, mask = ids.to(device), mask.to(device)
-                for method in ("plain", "dflash2"):
-                    _, seconds = timed(target, ids, device, attention_mask=mask, do_sample=False, pad_token_id=pad,
-                                       max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
-                    times[method].append(seconds)
-            sweep[f"batch{batch}"] = {m: summary(t, len(t) * batch * args.sweep_tokens) for m, t in times.items()}
-            sweep[f"batch{batch}"]["distinct_widths"] = len(lengths)
-            print(f"sweep batch {batch}:", json.dumps(sweep[f"batch{batch}"]), flush=True)
-        results["sweep"] = sweep
 
-    # ---- batches: throughput on MT-Bench + HumanEval prompts, natural ends
-    if args.batch_sizes:
-        drafter.config.max_speculative_batch_size = max(args.batch_sizes)  # measure beyond the default limit too
-        pool = [ids[0].tolist() for items in encoded.values() for ids in items]
-        batches = {}
-        for batch in args.batch_sizes:
-            rows = (pool * ((batch // len(pool)) + 1))[:batch]
+def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
+    """Prompts of distinct token lengths, a fixed number of new tokens (EOS ignored), batch 1 and 8."""
+    from dflash2.tasks import chat_prompt_ids, task_prompts
+
+    pool = [ids for items in encoded.values() for ids in items]
+    pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
+             for task in ("humaneval", "mtbench") for p in task_prompts(task, 40, skip=60 if task == "humaneval"
+                                                                          else 0)]
+    by_length = {}
+    for ids in pool:
+        by_length.setdefault(ids.shape[1], ids)
+    lengths = sorted(by_length)[: args.sweep]
+    sweep_results = {}
+    for batch in (1, 8):
+        times = {m: [] for m in ("plain", "dflash2") if m in selected}
+        for i, length in enumerate(lengths):
+            rows = [by_length[lengths[(i + j) % len(lengths)]][0].tolist() for j in range(batch)]
             ids, mask = left_pad(rows, pad)
             ids, mask = ids.to(device), mask.to(device)
-            entry = {}
-            for method in ("plain", "dflash2"):
-                kwargs = dict(attention_mask=mask, **common, **methods[method])
-                target.generate(ids, **{**kwargs, "max_new_tokens": 16})  # compile / capture for this batch size
-                if method == "dflash2":
-                    for core, batch_runner in drafter._round_cores.values():
-                        if core.batch >= batch:
-                            batch_runner.wait_for_fusion()
-                out, seconds = timed(target, ids, device, **kwargs)
-                tokens = new_tokens(out[:, ids.shape[1]:], pad)
-                entry[method] = {"s": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
-                if method == "dflash2":
-                    entry[method]["tau"] = round(drafter.last_stats.acceptance_length, 3)
-            entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
-            batches[str(batch)] = entry
-            print(f"batch {batch}:", json.dumps(entry), flush=True)
-        results["batches"] = batches
-    return finish(results, args.out)
+            for method in times:
+                _, seconds = timed(target, ids, device, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                                   max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
+                times[method].append(seconds)
+        sweep_results[f"batch{batch}"] = {m: summary(t, len(t) * batch * args.sweep_tokens) for m, t in times.items()}
+        sweep_results[f"batch{batch}"]["distinct_widths"] = len(lengths)
+        print(f"sweep batch {batch}:", json.dumps(sweep_results[f"batch{batch}"]), flush=True)
+    return sweep_results
+
+
+def batches(args, encoded, target, drafter, device, methods, common, pad):
+    """Throughput of plain batched generate (static cache) and DFlash 2's batched loop; natural ends."""
+    drafter.config.max_speculative_batch_size = max(args.batch_sizes)  # measure beyond the default limit too
+    pool = [ids[0].tolist() for items in encoded.values() for ids in items]
+    table = {}
+    for batch in args.batch_sizes:
+        rows = (pool * ((batch // len(pool)) + 1))[:batch]
+        ids, mask = left_pad(rows, pad)
+        ids, mask = ids.to(device), mask.to(device)
+        entry = {}
+        for method in ("dflash2", "plain"):
+            kwargs = dict(attention_mask=mask, **common, **methods[method])
+            target.generate(ids, **{**kwargs, "max_new_tokens": 16})  # compile / capture for this batch size
+            out, seconds = timed(target, ids, device, **kwargs)
+            tokens = new_tokens(out[:, ids.shape[1]:], pad)
+            entry[method] = {"s": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+            if method == "dflash2":
+                entry[method]["tau"] = round(drafter.last_stats.acceptance_length, 3)
+        entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+        table[str(batch)] = entry
+        print(f"batch {batch}:", json.dumps(entry), flush=True)
+    return table
+
+
+def save(results, out):
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 def finish(results, out):
-    text = json.dumps(results, indent=1)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
-    print(text)
+    save(results, out)
+    print(json.dumps(results, indent=1))
     return results
 
 

@@ -19,7 +19,9 @@ from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
-MIN_CAPACITY = 2048  # columns; capacities grow in powers of two so most requests share one set of buffers
+# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two, so most requests share one
+# captured graph; on a CPU every column costs attention time, so they fit the request (in steps of 256).
+MIN_CAPACITY = {"cuda": 2048, "cpu": 256}
 
 
 def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
@@ -41,11 +43,11 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
 
     bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
     needed = max(length, drafter.config.block_size) + max_new_tokens + drafter.config.block_size
-    core, runner = round_core_for(target, drafter, bucket, needed, sampling, eos, compile)
+    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
-    runner.begin_call()
+    core = runner.core
     core.prefill(input_ids, attention_mask, max_new_tokens, generator)
     if bucket > batch:
         core.done[batch:] = True
@@ -95,29 +97,27 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
 
 
-def round_core_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | None):
-    """The (core, runner) for this shape, built once per (target, batch bucket, capacity, sampling, eos, mode).
+def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | None):
+    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode).
 
     Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
     captured graphs; a longer one builds a core of twice the capacity.
     """
     cores = drafter.__dict__.setdefault("_round_cores", {})
     graphs = drafter.device.type == "cuda" and single_device(target, drafter)
-    # CUDA: the eager round captured at once, fused by inductor in the background (compile=None), synchronously
-    # (True) or never (False). CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    mode = ("compile" if compile else "graph") if graphs else ("compile" if compile else "eager")
+    # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
+    # CPU or a target spread over devices: plain calls, or inductor when compile=True.
+    mode = "compile" if compile else ("graph" if graphs else "eager")
     key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode)
-    entry = cores.get(key)
-    if entry is None or entry[0].capacity < needed:
-        capacity = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+    runner = cores.get(key)
+    if runner is None or runner.core.capacity < needed:
+        if graphs:
+            capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
+        else:
+            capacity = -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
 
-        def build():
-            return RoundCore(target, drafter, batch, capacity, sampling, eos)
-
-        core = build()
-        runner = RoundRunner(core, mode, fuse=compile is None, make_scratch=build)
-        entry = cores[key] = (core, runner)
-    return entry
+        runner = cores[key] = RoundRunner(RoundCore(target, drafter, batch, capacity, sampling, eos), mode)
+    return runner
 
 
 def single_device(target, drafter) -> bool:

@@ -1,18 +1,20 @@
 """How a round of a `RoundCore` runs: eagerly, compiled, or replayed as a CUDA graph captured by hand.
 
-On CUDA the round is captured at once from its eager kernels (a fraction of a second), so the first call decodes
-without waiting for any compiler. Meanwhile a background thread compiles the same round with inductor on a scratch
-core of the same shapes (torch keeps the result in its on-disk caches, so a later process compiles faster); the next
-call captures the fused round and replays that instead. A replayed graph consults no dynamo guard: a prompt of a new
-length never compiles or captures anything.
+On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By default the graph holds the round's
+eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
+With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
+caches, so later processes compile faster) and that is captured. A replayed graph consults no dynamo guard: a prompt
+of a new length never compiles or captures anything.
+
+Compiling in a background thread while the first calls decode was tried and is not safe with torch 2.11: FX tracing
+patches `torch.nn.Module.__call__` process-wide, so an eager target forward in the decoding thread (the prefill) was
+traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
+pool" (H200, docs/benchmarks.md). Fusion therefore happens in the calling thread, only when asked for.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
 import time
-import warnings
 
 import torch
 
@@ -33,7 +35,7 @@ class CapturedRound:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         started = time.perf_counter()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph):
             round_fn()
         self.capture_seconds = time.perf_counter() - started
 
@@ -42,86 +44,27 @@ class CapturedRound:
 
 
 class RoundRunner:
-    """Runs `core.round` the fastest way available right now.
+    """Runs `core.round` one of three ways, chosen once per core.
 
-    mode "eager": plain calls (CPU). "compile": `torch.compile` (inductor), compiled on first use; on CUDA the compiled
-    round is then captured. "graph": the eager round captured as a CUDA graph; with `fuse` the inductor-compiled round
-    replaces it once a background compile has finished (`begin_call` swaps it in, never in the middle of a call).
+    "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager round captured as a CUDA
+    graph. "compile": `torch.compile` (inductor) on first use; on CUDA the compiled round is then captured.
     """
 
-    def __init__(self, core: RoundCore, mode: str, fuse: bool = False, make_scratch=None):
+    def __init__(self, core: RoundCore, mode: str):
         self.core, self.mode = core, mode
-        self.kind = mode
-        self._fused = None
-        self._fuse_thread = None
-        self.fuse_error: BaseException | None = None
-        self.fuse_seconds: float | None = None
         if mode == "eager":
-            self._step = core.round
-        elif mode == "compile":
-            compiled = compile_round()
-            if core.device.type == "cuda":
-                self._step = CapturedRound(lambda: compiled(core))
-                self.kind = "graph (fused)"
-            else:
-                self._step = lambda: compiled(core)
+            self._step, self.kind = core.round, "eager"
         elif mode == "graph":
-            self._step = CapturedRound(core.round)
-            self.kind = "graph (eager kernels)"
-            if fuse and make_scratch is not None:
-                self._fuse_thread = threading.Thread(target=self._fuse, args=(make_scratch,), daemon=True,
-                                                     name="dflash2-fuse")
-                self._fuse_thread.start()
+            self._step, self.kind = CapturedRound(core.round), "graph (eager kernels)"
+        elif mode == "compile":
+            compiled = torch.compile(core.round, mode="default", dynamic=False)
+            if core.device.type == "cuda":
+                core.round()  # eager once: builds the lazily allocated cache buffers outside the compiled graph
+                self._step, self.kind = CapturedRound(compiled), "graph (fused)"
+            else:
+                self._step, self.kind = compiled, "compiled"
         else:
             raise ValueError(f"unknown round mode {mode!r}")
 
-    def _fuse(self, make_scratch) -> None:
-        """Background thread: compile the round on a scratch core (own buffers, own stream)."""
-        started = time.perf_counter()
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, 0.0005))  # keep the decoding thread's host work prompt meanwhile
-        try:
-            compiled = compile_round()
-            scratch = make_scratch()
-            stream = torch.cuda.Stream(device=scratch.device)
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_ROUNDS):
-                    compiled(scratch)
-            stream.synchronize()
-            del scratch
-            self._fused = compiled
-            self.fuse_seconds = time.perf_counter() - started
-        except Exception as error:  # the eager graph keeps working; say why the fused one never came
-            self.fuse_error = error
-            warnings.warn(f"DFlash 2: compiling the round failed ({type(error).__name__}: {error}); decoding goes on "
-                          "with the captured eager round.", stacklevel=1)
-        finally:
-            sys.setswitchinterval(interval)
-
-    def wait_for_fusion(self, timeout: float | None = None) -> bool:
-        """Block until the background compile is done (benchmarks use this to time the steady state)."""
-        if self._fuse_thread is not None:
-            self._fuse_thread.join(timeout)
-        self.begin_call()
-        return self._fused is not None
-
-    def begin_call(self) -> None:
-        """At the start of a generate call: capture the fused round if it has become available."""
-        if self._fused is not None and self.kind != "graph (fused)":
-            compiled, core = self._fused, self.core
-            self._step = CapturedRound(lambda: compiled(core))
-            self.kind = "graph (fused)"
-
     def __call__(self) -> None:
         self._step()
-
-
-_COMPILED_ROUND = None
-
-
-def compile_round():
-    """One compiled round function for every core: shapes are guarded, so cores of one shape share the compile."""
-    global _COMPILED_ROUND
-    if _COMPILED_ROUND is None:
-        _COMPILED_ROUND = torch.compile(RoundCore.round, mode="default", dynamic=False)
-    return _COMPILED_ROUND

@@ -69,21 +69,12 @@ def attach(drafter, target, use_by_default: bool = False):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
                 return _own_loop(target, args, kwargs)
-        if kwargs.get("cache_implementation") == "static" or kwargs.get("compile_config") is not None:
-            # transformers is about to torch.compile the target; FX tracing is process-global, so a background
-            # compile of our round must not be running at the same time
-            wait_for_background_compiles(target._dflash2_drafter)
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
     target.generate = generate
     target._dflash2_drafter = drafter
     return target
-
-
-def wait_for_background_compiles(drafter) -> None:
-    for _, runner in getattr(drafter, "_round_cores", {}).values():
-        runner.wait_for_fusion()
 
 
 def detach(target):

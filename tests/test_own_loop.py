@@ -235,12 +235,12 @@ def test_one_set_of_buffers_serves_every_prompt_length(oracle):
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                                            cache_implementation="static"), reference)
     assert len(drafter._round_cores) == 1
-    core = next(iter(drafter._round_cores.values()))[0]
+    core = next(iter(drafter._round_cores.values())).core
     long_ids = torch.randint(4, VOCAB, (1, core.capacity), generator=torch.Generator().manual_seed(0))
     target.config.max_position_embeddings = 8 * core.capacity
     target.generate(long_ids, max_new_tokens=2, do_sample=False, assistant_model=drafter,
                     cache_implementation="static")
-    assert max(entry[0].capacity for entry in drafter._round_cores.values()) >= 2 * core.capacity
+    assert max(runner.core.capacity for runner in drafter._round_cores.values()) >= 2 * core.capacity
 
 
 # ------------------------------------------------------------------------------------------------ sampling pieces
