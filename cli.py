@@ -173,6 +173,8 @@ def command_generate(args) -> None:
             same = all(o == p for o, p in zip(outputs, plain_outputs))
             parts.append("identical to plain greedy" if same else "differs from plain greedy")
     parts.append(f"{device}, {str(drafter.dtype).replace('torch.', '')}")
+    if device.type == "cpu":
+        parts[-1] += f", {torch.get_num_threads()} thread" + ("s" if torch.get_num_threads() > 1 else "")
     print("[dflash2] " + " | ".join(parts), flush=True)
     eos = target.generation_config.eos_token_id
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}

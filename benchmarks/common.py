@@ -39,6 +39,12 @@ def probability(text: str) -> float:
     return value
 
 
+def thread_count(text: str) -> str:
+    if text != "auto":
+        positive_int(text)
+    return text
+
+
 def _number(text: str, kind, what: str):
     try:
         return kind(text)
@@ -59,6 +65,10 @@ def add_model_arguments(parser, max_new_tokens: int = 128) -> None:
                         help="most new tokens per answer (generation also stops at the end-of-sequence token)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy; above 0: sampling")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (when sampling)")
+    parser.add_argument("--threads", type=thread_count, default="auto",
+                        help="CPU threads for torch on --device cpu; auto: the cores other work leaves idle when the "
+                             "command starts (a busy core shared by two threads slows every step several times), "
+                             "or OMP_NUM_THREADS when set")
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -70,6 +80,20 @@ def resolve_device_and_dtype(device: str, dtype: str):
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return torch.device(device), getattr(torch, dtype)
+
+
+def cpu_threads(threads: str = "auto") -> int:
+    """torch's CPU threads for `--threads`: the number given; for auto, OMP_NUM_THREADS when set, else the cores that
+    other processes leave idle (by the 1-minute load average), at least 1 and at most torch's default."""
+    import torch
+
+    if threads != "auto":
+        return int(threads)
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(torch.get_num_threads(), cores - round(busy)))
 
 
 def check_device(device: str) -> None:
@@ -182,6 +206,10 @@ def load_pair(args, check: bool = True):
         except UsageError as error:
             sys.exit(f"dflash2: error: {error}")
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    if device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(cpu_threads(getattr(args, "threads", "auto")))
     drafter = DFlash2Drafter.from_pretrained(Path(args.drafter), dtype=dtype)
     target, tokenizer = load_target(drafter.config, args.target, args.gguf_file, dtype=dtype)
     target.to(device).eval()

@@ -68,6 +68,8 @@ def argument_cases(incomplete_drafter):
          "(see dflash2 generate --help)"),
         (["--temperature", "-0.5"], 2, "dflash2 generate: error: argument --temperature: must be 0 or more, got -0.5 "
          "(see dflash2 generate --help)"),
+        (["--threads", "0"], 2, "dflash2 generate: error: argument --threads: must be at least 1, got 0 (see "
+         "dflash2 generate --help)"),
         (["--repeats", "two"], 2, "dflash2 generate: error: argument --repeats: must be a whole number, got 'two' "
          "(see dflash2 generate --help)"),
         (device[0], 1, device[1]),
@@ -128,6 +130,20 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
     assert result.stdout == ""
 
 
+def test_cpu_threads_leave_busy_cores_to_their_work(monkeypatch):
+    from dflash2.benchmarks.common import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    for load, threads in ((0.2, 2), (0.9, 1), (1.4, 1), (3.0, 1)):
+        monkeypatch.setattr("os.getloadavg", lambda: (load, load, load), raising=False)
+        assert cpu_threads("auto") == threads, load
+    assert cpu_threads("3") == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads("auto") == 2  # the user's setting wins
+
+
 def test_every_option_has_help_and_a_default():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
@@ -170,7 +186,7 @@ def test_generate_echoes_the_prompt_and_labels_a_single_run(tiny_pair, capsys):
     assert re.fullmatch(
         rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s \| plain generate {NUMBER} tok/s \| speedup "
         rf"{NUMBER}x \(one run: it swings with machine load; --repeats 5 gives the median and range\) \| identical to "
-        r"plain greedy \| cpu, float32", stats[0]), stats[0]
+        r"plain greedy \| cpu, float32, 1 thread", stats[0]), stats[0]
     assert "[dflash2] the answer stopped at --max-new-tokens 12, before its end; raise it for the whole answer." in out
 
 
@@ -182,7 +198,7 @@ def test_generate_reports_median_and_range_over_repeats(tiny_pair, capsys):
     spread = rf"\(median of 3, range {NUMBER}-{NUMBER}\)"
     assert re.fullmatch(rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s {spread} \| plain generate "
                         rf"{NUMBER} tok/s {spread} \| speedup {NUMBER}x {spread} \| identical to plain greedy \| cpu, "
-                        "float32", stats), stats
+                        "float32, 1 thread", stats), stats
     low, high = map(float, re.findall(rf"speedup {NUMBER}x \(median of 3, range ({NUMBER})-({NUMBER})\)", stats)[0])
     median = float(re.search(rf"speedup ({NUMBER})x", stats).group(1))
     assert low <= median <= high
