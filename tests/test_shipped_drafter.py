@@ -70,3 +70,46 @@ def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
                                      assistant_model=drafter, cache_implementation="static", compile=compile)
             assert torch.equal(static, plain), compile
     assert tokens / forwards > 1.8  # a trained drafter; an untrained one (or broken loading) sits at 1.0
+
+
+SHIPPED_FRESH_PROCESS = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("dflash2", "configuration_dflash2", "modeling_dflash2", "generation", "training",
+                                  "benchmarks", "tasks", "cli"):
+            raise ImportError("the dflash2 project is not importable in this process: " + name)
+sys.meta_path.insert(0, Block())
+sys.path = [p for p in sys.path if p not in ("", ".")]
+import json, torch
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+folder = sys.argv[1]
+drafter = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+assert type(drafter).__name__ == "DFlash2Drafter"
+config = json.load(open(folder + "/config.json"))
+torch.manual_seed(0)  # a random target of the default target's shape: the drafter attaches and stays lossless
+target = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)).eval()
+drafter.attach(target)
+ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+plain = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+for extra in ({}, {"cache_implementation": "static"}):
+    out = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
+                          assistant_model=drafter, **extra)
+    assert torch.equal(out, plain), extra
+print("SHIPPED-FRESH-OK")
+"""
+
+
+def test_the_shipped_folder_loads_in_a_fresh_process_without_the_repository(tmp_path):
+    """Its code files are links to the sources; transformers copies what they point to, and the drafter runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run([sys.executable, "-c", SHIPPED_FRESH_PROCESS, str(SHIPPED)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert "SHIPPED-FRESH-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

@@ -1,0 +1,142 @@
+"""The layout: layers point one way, no import cycle, shipped files import only their flat siblings, the wheel installs
+one top-level name."""
+
+import ast
+import importlib.util
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from dflash2.generation.export import SHIPPED_MODULES
+
+ROOT = Path(__file__).resolve().parents[1]
+# lower number = lower layer; a module may import only modules of its own layer or below
+LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3, "training": 4,
+          "benchmarks": 4, "cli": 5, "__init__": 6}
+
+
+def package_modules() -> dict[str, Path]:
+    """dflash2's modules (dotted names below the package) -> file, tests and drafter folders left out."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0] in ("tests", "drafters", "docs", "scripts", "build") or relative.parts[0].startswith("."):
+            continue
+        parts = list(relative.with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module of the package that `name` imports, at module level or inside functions."""
+    package = name.rsplit(".", 1)[0] if "." in name and not path.name == "__init__.py" else (
+        name if path.name == "__init__.py" else "")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("dflash2"):
+                target = node.module[len("dflash2."):] if node.module != "dflash2" else ""
+            else:
+                continue
+            candidates = [target] + [f"{target}.{alias.name}" if target else alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name[len("dflash2."):] for alias in node.names if alias.name.startswith("dflash2.")]
+        else:
+            continue
+        for candidate in candidates:
+            # generation/__init__ registers the model files under its own name (the flat-folder spelling)
+            for alias in ("configuration_dflash2", "modeling_dflash2"):
+                if candidate == f"generation.{alias}":
+                    candidate = alias
+            if candidate in modules and candidate != name:
+                found.add(candidate)
+    return found
+
+
+def layer(name: str) -> int:
+    return LAYERS[name.split(".")[0]]
+
+
+def test_layers_point_one_way_and_peers_do_not_import_each_other():
+    modules = package_modules()
+    problems = []
+    for name, path in modules.items():
+        for imported in imports_of(name, path, modules):
+            if layer(imported) > layer(name):
+                problems.append(f"{name} (layer {layer(name)}) imports {imported} (layer {layer(imported)})")
+            top, other = name.split(".")[0], imported.split(".")[0]
+            if {top, other} == {"training", "benchmarks"}:
+                problems.append(f"{name} imports its peer {imported}")
+    assert not problems, problems
+
+
+def test_no_import_cycle():
+    modules = package_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", "import cycle: " + " -> ".join(trail + [node])
+        state[node] = "open"
+        for child in sorted(graph[node]):
+            if child != node.rsplit(".", 1)[0]:  # a submodule's own package (__init__) is no cycle by itself
+                visit(child, trail + [node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_shipped_files_import_only_flat_siblings():
+    """In a drafter folder the shipped files are siblings: each may import only `from .<shipped sibling> import`."""
+    shipped = set(SHIPPED_MODULES)
+    for name in SHIPPED_MODULES:
+        path = ROOT / f"{name}.py" if name in ("configuration_dflash2", "modeling_dflash2") else (
+            ROOT / "generation" / f"{name}.py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module in shipped, (name, node.module, node.level)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                assert not (module or "").startswith("dflash2"), (name, module)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build the wheel")
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    """Build the wheel from the tracked sources: its only top-level package is dflash2 (no `generation`,
+    `training`, `benchmarks` beside a user's own folders), and it carries the code the CLI and the loops need."""
+    import setuptools
+
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
+        pytest.skip(f"setuptools {setuptools.__version__} is older than the 77 pyproject.toml asks for")
+    source = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for relative in tracked:
+        if relative.startswith(("drafters/", "docs/")):
+            continue
+        (source / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / relative, source / relative)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True)
+    wheel = next((tmp_path / "dist").glob("dflash2-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top_level == {"dflash2"}, top_level
+    for needed in ("dflash2/__init__.py", "dflash2/modeling_dflash2.py", "dflash2/cli.py",
+                   "dflash2/generation/round_core.py", "dflash2/generation/custom_generate/generate.py",
+                   "dflash2/training/trainer.py", "dflash2/benchmarks/bench.py", "dflash2/tasks.py"):
+        assert needed in names, needed
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "dflash2 = dflash2.cli:main" in entry_points
