@@ -35,12 +35,24 @@ class CapturedRound:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         started = time.perf_counter()
+        # As inductor's cudagraph trees do: drop cuBLAS's cached workspaces first, so the workspace this capture needs
+        # is allocated in the graph's own pool and stays valid for its replays. A graph that had baked in a workspace
+        # from the general pool is exposed to anyone who clears them later -- cudagraph trees do, before each of their
+        # captures -- and a replay after transformers' compiled plain decoding hit an illegal memory access (H200).
+        clear_cublas_workspaces()
         with torch.cuda.graph(self.graph):
             round_fn()
+        clear_cublas_workspaces()
         self.capture_seconds = time.perf_counter() - started
 
     def __call__(self) -> None:
         self.graph.replay()
+
+
+def clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 class RoundRunner:
