@@ -514,16 +514,40 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUTPUT_CACHE: past_key_values})
 
     def _attention_mask(self, attention_mask, position_ids, cache, num_context, num_rows):
-        """None when every row may see every key; else the masks `attention_masks` builds (a 4-D or per-layer-type
-        mask passes through). Keys are the cache's positions 0..past-1, then the context, then the block rows."""
-        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+        """The masks the layers get: None when every row may see every key, else one boolean mask [b, 1, rows, keys]
+        per layer type. A per-layer-type dict passes through unchanged (the round core builds its own); a 4-D mask (the
+        training block mask) is combined with each layer type's causal / window rule; a 2-D mask hides padded keys.
+
+        A layer's keys are the past keys its cache hands back, then the context rows, then the block rows. The past key
+        at cache index j sits at position j; the new rows sit at `position_ids`. A sliding layer of a transformers cache
+        built from this config (`DynamicCache(config=...)`, which transformers' built-in `speculation_type="dflash"`
+        loop uses) keeps and hands back only the last window - 1 past keys.
+        """
+        if isinstance(attention_mask, dict):
             return attention_mask
-        past = cache.get_seq_length() if cache is not None else 0
-        num_keys = past + num_context + num_rows
-        padded = attention_mask is not None and not bool(attention_mask.all())
-        visible = attention_mask[:, -num_keys:].to(self.device, torch.bool) if padded else None
-        key_positions = torch.arange(num_keys, device=self.device).unsqueeze(0)
-        return self.attention_masks(position_ids[:, -num_rows:].to(self.device), key_positions, visible)
+        given = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+        padded = given is None and attention_mask is not None and not bool(attention_mask.all())
+        position_ids = position_ids.to(self.device)
+        queries = position_ids[:, -num_rows:]
+        new_positions = position_ids[:, -(num_context + num_rows):]
+        masks = {}
+        for layer in self.layers:
+            if layer.attention_type in masks:
+                continue
+            past, kept = _past_keys(cache, layer.self_attn.layer_idx)
+            past_positions = torch.arange(past - kept, past, device=self.device).expand(new_positions.shape[0], -1)
+            keys = torch.cat([past_positions, new_positions], dim=1)
+            visible = attention_mask[:, -keys.shape[1]:].to(self.device, torch.bool) if padded else None
+            rule = _layer_rule(layer.self_attn, queries, keys, visible)
+            if given is not None and rule is not None:
+                rule = (given & rule) if given.dtype == torch.bool else given.masked_fill(~rule,
+                                                                                         torch.finfo(given.dtype).min)
+            masks[layer.attention_type] = rule
+        if given is not None and all(rule is None for rule in masks.values()):
+            return given
+        if given is not None:
+            return {kind: given if rule is None else rule for kind, rule in masks.items()}
+        return {kind: rule for kind, rule in masks.items() if rule is not None} or None
 
     def attention_masks(self, query_positions, key_positions, key_visible=None):
         """Boolean masks [b, 1, rows, keys] per layer type, applying each type's rule (causal for causal layers,
@@ -533,21 +557,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """
         masks = {}
         for layer in self.layers:
-            attention = layer.self_attn
-            if layer.attention_type in masks or (not attention.is_causal and not attention.sliding_window
-                                                 and key_visible is None):
-                continue
-            allowed = torch.ones(query_positions.shape[0], query_positions.shape[1], key_positions.shape[-1],
-                                 dtype=torch.bool, device=query_positions.device)
-            distance = query_positions[:, :, None] - key_positions[:, None, :]
-            if attention.is_causal:
-                allowed = allowed & (distance >= 0)
-            if attention.sliding_window:
-                allowed = allowed & (distance.abs() < attention.sliding_window)
-            if key_visible is not None:
-                allowed = allowed & key_visible[:, None, :]
-            masks[layer.attention_type] = allowed[:, None]
-        return masks or None
+            if layer.attention_type not in masks:
+                masks[layer.attention_type] = _layer_rule(layer.self_attn, query_positions, key_positions, key_visible)
+        return {kind: rule for kind, rule in masks.items() if rule is not None} or None
 
     # --------------------------------------------------------------------------------------- drafting
     def propose(
@@ -585,6 +597,35 @@ def per_row_choice(logits: torch.Tensor, gumbel: torch.Tensor | None, transform:
         return DraftProposal(torch.stack(tokens, dim=1), torch.stack(rows, dim=1))
     tokens = (logits if gumbel is None else logits + gumbel).argmax(-1)
     return DraftProposal(tokens, logits)
+
+
+def _layer_rule(attention, query_positions, key_positions, key_visible=None):
+    """What one attention layer's rule lets each query see: [b, 1, rows, keys] bool, or None when it hides nothing.
+    Causal layers see keys at or before the query's position; sliding layers keys with |query - key| < window."""
+    if not attention.is_causal and not attention.sliding_window and key_visible is None:
+        return None
+    distance = query_positions[:, :, None] - key_positions[:, None, :]
+    allowed = torch.ones_like(distance, dtype=torch.bool)
+    if attention.is_causal:
+        allowed = allowed & (distance >= 0)
+    if attention.sliding_window:
+        allowed = allowed & (distance.abs() < attention.sliding_window)
+    if key_visible is not None:
+        allowed = allowed & key_visible[:, None, :]
+    return allowed[:, None]
+
+
+def _past_keys(cache, layer_idx: int) -> tuple[int, int]:
+    """(positions a cache holds for one layer, how many of their keys it hands back at the next update)."""
+    if cache is None:
+        return 0, 0
+    past = cache.get_seq_length(layer_idx)
+    layers = getattr(cache, "layers", None) or ()
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    if layer is not None and getattr(layer, "is_sliding", False) and getattr(layer, "sliding_window", None):
+        stored = layer.keys.shape[-2] if getattr(layer, "is_initialized", False) else 0
+        return past, min(stored, layer.sliding_window - 1)
+    return past, past
 
 
 def _execution_device(module: nn.Module, fallback: torch.device) -> torch.device:
