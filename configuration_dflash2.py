@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -15,6 +18,7 @@ DFLASH1_ARCHITECTURE = "DFlashDraftModel"
 _PUBLISHED_DFLASH_KEYS = (
     "block_size",
     "target_layer_ids",
+    "num_target_layers",
     "mask_token_id",
     "input_embedding_scale",
     "output_multiplier",
@@ -25,6 +29,29 @@ _PUBLISHED_DFLASH_KEYS = (
     "selector_top_k",
 )
 _PUBLISHED_DEFAULT_BLOCK_SIZE = 16
+_QWEN3_DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default, used when a config gives no layer_types
+
+# Published-dialect keys that switch on something dflash2 does not implement: (where, key, is it on?, what it is).
+_UNSUPPORTED_PUBLISHED_FEATURES = (
+    ("dflash_config", "attention_sink_bias", bool, "a per-head attention sink bias"),
+    ("top", "add_swa_attention_sink_bias", bool, "a per-head attention sink bias"),
+    ("dflash_config", "sample_from_anchor", bool, "drafting from the anchor row"),
+    ("dflash_config", "projector_type", lambda v: v is not None, "another draft head (projector_type)"),
+    ("dflash_config", "attention_value_scale", lambda v: v is not None, "a value scale in attention"),
+    ("dflash_config", "use_aux_hidden_state", lambda v: v is False, "no target features (use_aux_hidden_state false)"),
+    ("top", "use_aux_hidden_state", lambda v: v is False, "no target features (use_aux_hidden_state false)"),
+    ("top", "is_neox_style", lambda v: v is False, "interleaved RoPE (is_neox_style false)"),
+    ("top", "rope_is_neox_style", lambda v: v is False, "interleaved RoPE (rope_is_neox_style false)"),
+    ("top", "has_embed_tokens", bool, "its own token embeddings"),
+    ("top", "has_lm_head", bool, "its own LM head"),
+)
+# Every tensor name a DFlash 1 / DFlash 2 drafter of ours holds (the published names).
+_OUR_TENSOR_NAME = re.compile(
+    r"(fc\.weight|hidden_norm\.weight|norm\.weight"
+    r"|candidate_selector\.(hidden_projection\.weight|predecessor_codebook|successor_codebook)"
+    r"|layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight"
+    r"|mlp\.(gate|up|down)_proj\.weight|input_layernorm\.weight|post_attention_layernorm\.weight"
+    r"|(attention|mlp)_conv\.(base_kernel|kernel_projection\.weight)))")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -95,8 +122,8 @@ class DFlash2Config(PretrainedConfig):
         self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
-        self.rope_parameters = dict(rope_parameters) if rope_parameters else {"rope_type": "default", "rope_theta": 1e6}
-        self.rope_parameters.setdefault("rope_type", "default")
+        self.rope_parameters = _rope_parameters(rope_parameters, kwargs.pop("rope_theta", None),
+                                                kwargs.pop("rope_scaling", None))
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.attention_bias = attention_bias
@@ -196,6 +223,8 @@ class DFlash2Config(PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if is_published_config(config_dict) and Path(str(pretrained_model_name_or_path)).is_dir():
+            check_published_tensors(Path(str(pretrained_model_name_or_path)))
         return convert_published_config(config_dict), kwargs
 
     @classmethod
@@ -273,21 +302,100 @@ def _pick_mask_token(text_config) -> int:
     return pad if pad is not None else text_config.vocab_size - 1
 
 
+def _rope_parameters(rope_parameters, rope_theta=None, rope_scaling=None) -> dict:
+    """RoPE settings as transformers 5 writes them; older configs give `rope_theta` (and `rope_scaling`) instead."""
+    params = dict(rope_parameters) if rope_parameters else {}
+    if rope_scaling and not rope_parameters:
+        params.update({k: v for k, v in rope_scaling.items() if k != "type"})
+        params.setdefault("rope_type", rope_scaling.get("type", "default"))
+    if rope_theta is not None:
+        params.setdefault("rope_theta", rope_theta)
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", 1e6)
+    return params
+
+
+def is_published_config(config_dict: dict[str, Any]) -> bool:
+    """The published checkpoints' dialect: a DFlash architecture string, not our own `model_type`."""
+    architectures = config_dict.get("architectures") or []
+    return (config_dict.get("model_type") != DFlash2Config.model_type and "dflash_version" not in config_dict
+            and (DFLASH2_ARCHITECTURE in architectures or DFLASH1_ARCHITECTURE in architectures))
+
+
+def check_published_tensors(folder: Path) -> None:
+    """Refuse a published folder whose weights hold tensors dflash2 would not load (its own LM head or embeddings, a
+    separate mask embedding, a reduced-vocabulary map, other names): loading it would silently drop them or leave
+    parts random, and the drafter would draft differently from how it was trained."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        names = set()
+        for file in sorted(folder.glob("*.safetensors")):
+            with open(file, "rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+            names |= set(header) - {"__metadata__"}
+    foreign = sorted(name for name in names if not _OUR_TENSOR_NAME.fullmatch(name))
+    extra_files = [name for name in ("mask_embedding.pt",) if (folder / name).exists()]
+    if foreign or extra_files:
+        own = [n for n in foreign if "lm_head" in n or "embed_tokens" in n]
+        what = ("its own LM head / token embeddings (dflash2 always uses the target's)" if own
+                else "tensors under names dflash2 does not use")
+        raise ValueError(
+            f"The drafter in {folder} holds {what}: {(foreign + extra_files)[:8]}"
+            f"{' ...' if len(foreign) + len(extra_files) > 8 else ''}. Loading it here would drop them or leave weights "
+            "random, so the drafts would not be the trained drafter's. Serve it with an engine that reads them "
+            "(see docs/serving.md), or remove them if they only repeat the target's weights.")
+
+
+def _refuse_unsupported_features(published: dict[str, Any], sub: dict[str, Any]) -> None:
+    for where, key, is_on, what in _UNSUPPORTED_PUBLISHED_FEATURES:
+        source = sub if where == "dflash_config" else published
+        if key in source and is_on(source[key]):
+            raise ValueError(
+                f"This published drafter uses {what} ({'dflash_config.' if where == 'dflash_config' else ''}{key}="
+                f"{source[key]!r}), which dflash2 does not implement; its drafts here would differ from the trained "
+                "drafter's. Serve it with vLLM or SGLang instead (docs/serving.md).")
+    draft_vocab = published.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != published.get("vocab_size"):
+        raise ValueError(f"This published drafter drafts over a reduced vocabulary (draft_vocab_size={draft_vocab}, "
+                         f"vocab_size={published.get('vocab_size')}), which dflash2 does not implement.")
+
+
+def _published_layer_types(published: dict[str, Any], sub: dict[str, Any]) -> tuple[list[str] | None, int | None]:
+    """Layer types and window as the engines that serve published drafters read them: explicit `layer_types` win;
+    without them transformers' Qwen3Config rule applies (layer i slides when use_sliding_window is set and
+    i >= max_window_layers); `dflash_config.use_swa` makes every layer slide (window `swa_window_size`)."""
+    num_layers = published.get("num_hidden_layers")
+    layer_types = published.get("layer_types")
+    window = published.get("sliding_window")
+    if layer_types is None and num_layers is not None and published.get("use_sliding_window") and window is not None:
+        first = published.get("max_window_layers", _QWEN3_DEFAULT_MAX_WINDOW_LAYERS)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if sub.get("use_swa") and num_layers is not None and "sliding_attention" not in (layer_types or []):
+        layer_types = ["sliding_attention"] * num_layers
+    if "sliding_attention" in (layer_types or []):
+        window = sub.get("swa_window_size", window)
+    # (Qwen3Config drops the window unless use_sliding_window is set; here it is kept: only sliding layers read it.)
+    return (list(layer_types) if layer_types is not None else None), window
+
+
 def convert_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     """Translate a published DFlash checkpoint config (`model_type` "qwen3" + `dflash_config`) into ours.
 
     Our own configs pass through unchanged. The architecture string selects DFlash 2 (convolutions + selector) or
-    DFlash 1; each DFlash key comes from `dflash_config`, then the top level, then its default.
+    DFlash 1; each DFlash key comes from `dflash_config`, then the top level, then its default. A config that switches
+    on something dflash2 does not implement raises one ValueError that names it.
     """
-    architectures = config_dict.get("architectures") or []
     # ours, or already converted (from_pretrained converts in get_config_dict, then again in from_dict)
-    if config_dict.get("model_type") == DFlash2Config.model_type or "dflash_version" in config_dict or not (
-        DFLASH2_ARCHITECTURE in architectures or DFLASH1_ARCHITECTURE in architectures
-    ):
+    if not is_published_config(config_dict):
         return config_dict
+    architectures = config_dict.get("architectures") or []
     published = copy.deepcopy(config_dict)
     sub = published.pop("dflash_config", None) or {}
-    out = {k: v for k, v in published.items() if k not in ("model_type", "use_sliding_window", "max_window_layers")}
+    _refuse_unsupported_features(published, sub)
+    dropped = ("model_type", "use_sliding_window", "max_window_layers", "rope_theta", "rope_scaling")
+    out = {k: v for k, v in published.items() if k not in dropped}
     for key in _PUBLISHED_DFLASH_KEYS:
         if key in sub:
             out[key] = sub[key]
@@ -302,11 +410,16 @@ def convert_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
         if out.get("num_target_layers") is None:
             raise ValueError("Published DFlash config gives neither target_layer_ids nor num_target_layers.")
         out["target_layer_ids"] = default_target_layer_ids(out["num_target_layers"], out.get("num_hidden_layers", 1))
-    # Qwen3Config drops the window unless use_sliding_window is set; we keep it whenever a layer slides.
-    if config_dict.get("use_sliding_window") is False and "sliding_attention" not in (out.get("layer_types") or []):
-        out["sliding_window"] = None
-    # Without a top-level is_causal, sliding layers are causal in the reference implementation.
-    out.setdefault("is_causal", None)
+    out["rope_parameters"] = _rope_parameters(published.get("rope_parameters"), published.get("rope_theta"),
+                                              published.get("rope_scaling"))
+    layer_types, window = _published_layer_types(published, sub)
+    if layer_types is not None:
+        out["layer_types"] = layer_types
+    out["sliding_window"] = window
+    # Causality: a top-level is_causal decides; else dflash_config.causal (vLLM's reading); else None, i.e. sliding
+    # layers are causal and full-attention layers are not (the reference implementation's rule).
+    if "is_causal" not in out:
+        out["is_causal"] = sub.get("causal")
     # Published drafters read features of the target's width, which equals theirs.
     out.setdefault("target_hidden_size", out.get("hidden_size"))
     out["architectures"] = [DFLASH2_ARCHITECTURE]
