@@ -20,6 +20,7 @@ _PUBLISHED_DFLASH_KEYS = (
     "target_layer_ids",
     "num_target_layers",
     "mask_token_id",
+    "mask_token",  # a token string some configs give instead of the id (SGLang resolves it with the tokenizer)
     "input_embedding_scale",
     "output_multiplier",
     "final_logit_softcapping",
@@ -290,6 +291,14 @@ class DFlash2Config(PretrainedConfig):
             raise ValueError(
                 f"The drafter reads target layer {deepest} (target_layer_ids={self.target_layer_ids}) but the target "
                 f"has only {text.num_hidden_layers} layers. Use a drafter trained for this target."
+            )
+        if self.mask_token_id is None:
+            mask_token = getattr(self, "mask_token", None)
+            named = f" (its config names the token {mask_token!r}: tokenizer.convert_tokens_to_ids of it)" if (
+                mask_token) else ""
+            raise ValueError(
+                "The drafter's config gives no mask_token_id, the token that fills a block after the anchor. Set "
+                f"drafter.config.mask_token_id to the id it was trained with{named}."
             )
 
 
