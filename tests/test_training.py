@@ -1,13 +1,26 @@
-"""The training recipe on a tiny target: masks and anchors against naive loops, learning, checkpoints."""
+"""The training recipe on a tiny target: masks and anchors against naive loops, learning, checkpoints, resuming in
+several jobs (by steps and by a time budget), epochs, the loss split the way several processes split it, block 16."""
 
+import dataclasses
+import json
+import types
+
+import pytest
 import torch
 
 from helpers import VOCAB, tiny_drafter, tiny_target
+from dflash2.training import trainer
 from dflash2.training.trainer import (
     TrainConfig,
     block_attention_mask,
     block_inputs,
+    collate,
+    default_gamma,
+    drafter_loss_terms,
+    drafter_losses,
     held_out_tau,
+    length_buckets,
+    planned_steps,
     sample_anchors,
     save_checkpoint,
     train,
@@ -85,7 +98,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     lines = []
     config.max_steps = 5
     train(drafter, target, data, config, tmp_path, progress=False, log=lines.append)
-    assert lines[0] == "resumed from step 3"
+    assert json.loads(lines[0])["resumed"] == 3
     state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 5
 
@@ -109,6 +122,206 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 def _batch(rows):
-    from dflash2.training.trainer import collate
-
     return collate(rows, 64, 0)
+
+
+# ------------------------------------------------------------------------------------------------ resuming in jobs
+def _frozen(target):
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    return target
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((directory / "checkpoint" / "drafter").glob("*.safetensors"))
+            for k, v in load_file(f).items()}
+
+
+def _quiet(config, drafter, target, data, folder, **kwargs):
+    return train(drafter, target, data, config, folder, progress=False, log=lambda line: None, **kwargs)
+
+
+def test_two_jobs_with_resume_reach_the_weights_of_one_job(tmp_path):
+    """8 steps in one job == 5 steps, then a resumed job to the end (fp32, bit for bit): the resumed job gets the
+    weights, the AdamW moments, the schedule position and the data order (the cut falls inside an epoch) from the
+    checkpoint. A restart from the same weights without the rest of the state lands elsewhere."""
+    target = _frozen(tiny_target("qwen3", seed=12))
+    data = self_distilled(target, 10, length=16)  # 3 global batches of 4 per epoch: step 5 is inside epoch 2
+    config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=32, max_steps=8, learning_rate=3e-3,
+                         warmup_fraction=0.25, checkpoint_every=1000, log_every=1)
+    _quiet(config, tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path / "one")
+    _quiet(dataclasses.replace(config, job_max_steps=5), tiny_drafter(target, block_size=4).bind_target(target),
+           target, data, tmp_path / "two")
+    first_job = torch.load(tmp_path / "two" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert (first_job["step"], first_job["epoch"], first_job["batch_in_epoch"]) == (5, 1, 2)
+    assert first_job["planned_steps"] == 8 and set(first_job["rng"]) >= {"torch", "python"}
+    assert first_job["optimizer"]["state"], "the optimizer state is in the checkpoint"
+    half_way = _weights(tmp_path / "two")
+    lines = []
+    other_init = tiny_drafter(target, seed=99, block_size=4).bind_target(target)  # weights must come from the file
+    train(other_init, target, data, config, tmp_path / "two", progress=False, log=lines.append)
+    assert json.loads(lines[0])["resumed"] == 5
+    one, two = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert one.keys() == two.keys()
+    assert all(torch.equal(one[k], two[k]) for k in one), max((one[k] - two[k]).abs().max() for k in one)
+    assert max(float((one[k] - half_way[k]).abs().max()) for k in one) > 1e-3  # the second job did train
+    state_one = torch.load(tmp_path / "one" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state_two = torch.load(tmp_path / "two" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    for key, moments in state_one["optimizer"]["state"].items():
+        assert torch.equal(moments["exp_avg_sq"], state_two["optimizer"]["state"][key]["exp_avg_sq"])
+
+    restarted = tiny_drafter(target, block_size=4).bind_target(target)
+    restarted.load_state_dict({**restarted.state_dict(), **half_way})
+    _quiet(dataclasses.replace(config, max_steps=3), restarted, target, data, tmp_path / "restart")
+    again = _weights(tmp_path / "restart")
+    assert max(float((one[k] - again[k]).abs().max()) for k in one) > 1e-4
+
+
+class _Clock:
+    """Training time that passes only inside training steps (0.125 s each, exact in binary)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+
+def test_a_time_budget_in_two_jobs_follows_the_schedule_of_one_job(tmp_path, monkeypatch):
+    """--time-budget 2.5 in one job == two jobs of --job-time-limit 1.25 each: the second job continues the time
+    consumed (the learning rate and the selector ramp follow the consumed time), 20 steps either way."""
+    clock = _Clock()
+    features = trainer.target_hidden_features
+
+    def ticking(*args, **kwargs):
+        clock.now += 0.125
+        return features(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(time=clock.time))
+    monkeypatch.setattr(trainer, "target_hidden_features", ticking)
+    target = _frozen(tiny_target("qwen3", seed=12))
+    data = self_distilled(target, 10, length=16)
+    config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=32, max_steps=10 ** 6, time_budget_s=2.5,
+                         learning_rate=3e-3, checkpoint_every=1000, log_every=1)
+    one = _quiet(config, tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path / "one")
+    in_jobs = []
+    for _ in range(2):
+        in_jobs += _quiet(dataclasses.replace(config, job_time_limit_s=1.25),
+                          tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path / "two")
+    state = torch.load(tmp_path / "two" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 20 and state["time_consumed_s"] == 2.5
+    assert [(h["step"], h["lr"]) for h in one] == [(h["step"], h["lr"]) for h in in_jobs]
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a third job has nothing left to do: the budget is spent
+    assert _quiet(dataclasses.replace(config, job_time_limit_s=1.25),
+                  tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path / "two") == []
+
+
+def test_resume_refuses_another_global_batch(tmp_path):
+    target = _frozen(tiny_target("qwen3", seed=12))
+    data = self_distilled(target, 10, length=12)
+    config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=32, max_steps=2, checkpoint_every=1000)
+    _quiet(config, tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path)
+    with pytest.raises(ValueError, match="global batches of 4"):
+        _quiet(dataclasses.replace(config, batch_size=2, max_steps=4),
+               tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ data order, anchors
+def test_one_epoch_visits_every_sequence_once_and_ends_the_schedule(tmp_path, monkeypatch):
+    target = _frozen(tiny_target("qwen3", seed=12))
+    data = self_distilled(target, 12, length=20, seed=5)
+    for i, row in enumerate(data):  # distinct lengths, so a row is known by its length
+        row["input_ids"] = row["input_ids"][: 6 + i]
+    seen = []
+
+    def recording(rows, *args):
+        seen.append(sorted(len(r["input_ids"]) for r in rows))
+        return collate(rows, *args)
+
+    monkeypatch.setattr(trainer, "collate", recording)
+    config = TrainConfig(anchors_per_sequence=2, batch_size=4, max_length=32, max_steps=100, epochs=1.0,
+                         checkpoint_every=1000)
+    _quiet(config, tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path)
+    assert len(seen) == 3  # 12 sequences / 4 per step: the epoch ends the schedule
+    assert sorted(n for batch in seen for n in batch) == list(range(6, 18))
+    assert seen != sorted(seen), "buckets are visited in a shuffled order"
+    assert all(batch == list(range(batch[0], batch[0] + 4)) for batch in seen), "each bucket holds similar lengths"
+    assert planned_steps(dataclasses.replace(config, epochs=2.5), 3) == 8
+    assert planned_steps(dataclasses.replace(config, epochs=2.5, max_steps=5), 3) == 5
+
+
+def test_length_buckets_are_whole_and_cover_every_sequence():
+    rows = [{"input_ids": [0] * n} for n in (5, 3, 9, 7, 1, 4, 8)]
+    buckets = length_buckets(rows, 3)
+    assert all(len(b) == 3 for b in buckets) and len(buckets) == 3
+    assert set().union(*buckets) == set(range(7))
+    assert length_buckets(rows[:2], 4) == [[1, 1, 0, 0]]  # fewer sequences than a batch: they repeat
+
+
+def test_unique_anchors_use_each_position_once():
+    response = torch.zeros(3, 12, dtype=torch.bool)
+    response[0, 4:] = True  # positions 3..10 valid: 8
+    response[1, 9:] = True  # positions 8..10: 3
+    anchors = sample_anchors(response, 20, torch.Generator().manual_seed(0), unique=True)
+    assert anchors.shape == (3, 8)
+    assert anchors[0].tolist() == list(range(3, 11))
+    assert anchors[1].tolist() == [8, 9, 10] + [-1] * 5
+    assert anchors[2].eq(-1).all()
+    repeated = sample_anchors(response, 20, torch.Generator().manual_seed(0))
+    assert repeated.shape == (3, 20) and (repeated[1] >= 8).all()
+
+
+# ------------------------------------------------------------------------------------------------ the loss in shares
+def test_shares_normalised_by_the_global_weights_give_the_whole_batch_gradient():
+    """What DrafterObjective does across processes, in one process: each half of a batch divides its weighted sums by
+    the weights of the whole batch; the summed gradients equal the whole batch's. The mean of per-half means (what
+    plain gradient averaging of per-process losses would give) does not."""
+    target = _frozen(tiny_target("llama", seed=11))
+    data = self_distilled(target, 4, length=20)
+    data[0]["input_ids"] = data[0]["input_ids"][:10]  # halves with different numbers of weighted rows
+    token_ids, response_mask = collate(data, 64, 0)
+    drafter = tiny_drafter(target, block_size=4).bind_target(target)
+    anchors = sample_anchors(response_mask, 6, torch.Generator().manual_seed(3))
+    features = trainer.target_hidden_features(target, token_ids, drafter.config.target_layer_ids)
+    gamma, selector_weight = default_gamma(4), 0.5
+
+    def gradient(loss):
+        drafter.zero_grad()
+        loss.backward(retain_graph=True)
+        return torch.cat([p.grad.flatten() for p in drafter.parameters()])
+
+    token_loss, selector_loss, _ = drafter_losses(drafter, features, token_ids, response_mask, anchors, gamma)
+    whole = gradient(token_loss + selector_weight * selector_loss)
+    halves = [slice(0, 2), slice(2, 4)]
+    terms = [drafter_loss_terms(drafter, features[h], token_ids[h], response_mask[h], anchors[h], gamma)
+             for h in halves]
+    token_total = sum(t["token_weight"] for t in terms).detach()
+    selector_total = sum(t["selector_weight"] for t in terms).detach()
+    assert not torch.isclose(terms[0]["token_weight"], terms[1]["token_weight"])
+    shares = sum(gradient(t["token_sum"] / token_total + selector_weight * t["selector_sum"] / selector_total)
+                 for t in terms)
+    torch.testing.assert_close(shares, whole, rtol=1e-4, atol=1e-6)
+    means = sum(gradient(t["token_sum"] / t["token_weight"] + selector_weight * t["selector_sum"]
+                         / t["selector_weight"]) for t in terms) / 2
+    assert (means - whole).abs().max() > 1e-3 * whole.abs().max()
+
+
+# ------------------------------------------------------------------------------------------------ block size 16
+def test_block_size_16_trains_and_its_held_out_tau_rises(tmp_path):
+    target = _frozen(tiny_target("llama", seed=11))
+    data = self_distilled(target, 40, length=40)
+    held_out, sequences = data[:8], data[8:]
+    drafter = tiny_drafter(target, seed=3, identity=True, block_size=16).bind_target(target)
+    assert default_gamma(16) == 7.0
+    untrained = held_out_tau(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
+                             torch.device("cpu"))
+    config = TrainConfig(anchors_per_sequence=8, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=150,
+                         eval_every=1000, checkpoint_every=1000, log_every=50)
+    history = _quiet(config, drafter, target, sequences, tmp_path, held_out=held_out)
+    trained = history[-1]["held_out_tau"]
+    assert trained == trained and trained > untrained + 0.5, (untrained, trained)  # not nan: blocks were scored
+    assert len(history[0]["top1_by_position"]) == 15

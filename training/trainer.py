@@ -5,6 +5,18 @@ computes the hidden states of the tapped layers, many random anchors are drawn a
 their blocks `[anchor, MASK x (B-1)]` are denoised in one drafter forward under a block attention mask (a block sees
 the context before its anchor and itself, never another block). Loss: position-weighted cross-entropy of the draft
 rows plus the selector's K-way cross-entropy given the true predecessor. The target's embeddings and head stay frozen.
+
+Several processes (`torchrun --nproc_per_node N`, one per GPU; see `training/distributed.py`): every process holds the
+frozen target and the same drafter; the drafter's loss module is wrapped in DistributedDataParallel, so gradients are
+averaged across processes. A step's global batch is `batch_size x N` sequences (one length bucket); process r takes
+rows [r * batch_size, (r + 1) * batch_size) of it. The loss is normalised by the weights of the whole global batch, so
+one step of N processes computes the same gradient as one process holding the whole global batch (up to the order of
+floating-point sums). Process 0 logs, estimates the held-out tau and writes checkpoints.
+
+Everything a step draws is a function of (seed, step): the data order (length buckets in a per-epoch permutation) and
+the anchors. A checkpoint holds the drafter, the optimizer, the step, the training time consumed and the RNG states,
+so a run cut into several jobs (`job_time_limit_s` / `job_max_steps`, then resume) follows the same schedule and, in
+fp32 on the CPU, reaches bit-identical weights to one uninterrupted job.
 """
 
 from __future__ import annotations
@@ -17,27 +29,35 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash2.generation.export import atomic_folder
 from dflash2.modeling_dflash2 import DFlash2DraftModel, bilinear_scores, tap_target_features
+from dflash2.training.distributed import broadcast_from_main, host_group, rank_and_world
 
 
 @dataclass
 class TrainConfig:
     anchors_per_sequence: int = 64
-    batch_size: int = 8
+    unique_anchors: bool = False  # True: never two blocks at one position (fewer blocks on short sequences)
+    batch_size: int = 8  # sequences per process and step; the global batch is batch_size x number of processes
     max_length: int = 512
     learning_rate: float = 6e-4
     weight_decay: float = 0.01
     warmup_fraction: float = 0.04
     max_steps: int = 1000
-    time_budget_s: float | None = None  # stop (and anneal the schedule) by wall time instead of steps
+    epochs: float | None = None  # passes over the data: the schedule ends at min(max_steps, epochs x steps per epoch)
+    time_budget_s: float | None = None  # training seconds over all jobs of the run: anneal (and stop) by time
+    job_time_limit_s: float | None = None  # this job stops after so many seconds (checkpoint written; resume goes on)
+    job_max_steps: int | None = None  # this job stops after so many steps
     grad_clip: float = 1.0
     gamma: float | None = None  # position decay; None: 4 for B=8, 5 for B=10, 7 for B=16 (interpolated)
     selector_weight: float = 0.5
     selector_ramp_fraction: float = 0.2
     eval_every: int = 200
+    held_out_anchors: int = 16
     checkpoint_every: int = 500
     seed: int = 0
     bf16: bool = True
@@ -50,14 +70,18 @@ def default_gamma(block_size: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ the pieces
-def sample_anchors(response_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+def sample_anchors(response_mask: torch.Tensor, num_anchors: int, generator: torch.Generator,
+                   unique: bool = False) -> torch.Tensor:
     """Anchor positions per sequence: positions p >= 1 whose next token is a response token.
 
-    response_mask: [b, L] bool (True on tokens the target wrote). Returns [b, N] (drawn with replacement when a
-    sequence has fewer valid positions; -1 where a sequence has none).
+    response_mask: [b, L] bool (True on tokens the target wrote). Returns [b, N], each row sorted. A sequence with
+    fewer valid positions than `num_anchors` gets them drawn with replacement, or with `unique` each valid position
+    once, the rest of its row -1 (and N shrinks to the most valid positions any row has). -1 where a sequence has none.
     """
     valid = torch.zeros_like(response_mask)
     valid[:, 1:-1] = response_mask[:, 2:]
+    if unique:
+        num_anchors = max(1, min(num_anchors, int(valid.sum(1).max())))
     anchors = torch.full((response_mask.shape[0], num_anchors), -1, dtype=torch.long)
     for row in range(response_mask.shape[0]):
         positions = valid[row].nonzero().flatten().cpu()
@@ -65,9 +89,11 @@ def sample_anchors(response_mask: torch.Tensor, num_anchors: int, generator: tor
             continue
         if len(positions) >= num_anchors:
             chosen = positions[torch.randperm(len(positions), generator=generator)[:num_anchors]]
+        elif unique:
+            chosen = positions
         else:
             chosen = positions[torch.randint(len(positions), (num_anchors,), generator=generator)]
-        anchors[row] = chosen.sort().values
+        anchors[row, : len(chosen)] = chosen.sort().values
     return anchors
 
 
@@ -115,9 +141,9 @@ def denoise_blocks(drafter: DFlash2DraftModel, features, token_ids, anchors):
     return hidden.unflatten(1, (-1, config.block_size)), block_ids
 
 
-def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float):
-    """Cross-entropy of the draft rows and the selector loss, plus accuracy statistics (detached tensors: reading
-    them synchronises with the device, so the training loop reads them only when it logs)."""
+def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float) -> dict:
+    """The unnormalised pieces of the loss: weighted sums and their weights (token and selector), and counts for the
+    statistics (detached). Sums, not means, so that several processes can normalise by the whole global batch."""
     config = drafter.config
     block_size = config.block_size
     response_targets = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
@@ -130,11 +156,10 @@ def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mas
     weights = position_weights(block_size, gamma, hidden.device)[1:].expand_as(draft_targets) * valid
     unary = drafter.unary_logits(draft_hidden).float()  # [b, N, B-1, V]
     token_loss = F.cross_entropy(unary.flatten(0, 2), draft_targets.flatten().clamp(min=0), reduction="none")
-    loss = (token_loss * weights.flatten()).sum() / weights.sum().clamp(min=1e-6)
-    stats = {"token_loss": loss.detach()}
     top1 = (unary.argmax(-1) == draft_targets) & valid
-    stats["top1_by_position"] = top1.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
-
+    terms = {"token_sum": (token_loss * weights.flatten()).sum(), "token_weight": weights.sum(),
+             "top1_correct": top1.sum((0, 1)).float(), "top1_valid": valid.sum((0, 1)).float(),
+             "valid": valid.sum().float()}
     selector = drafter.candidate_selector
     if selector is not None:
         top_scores, candidates = unary.topk(selector.top_k, dim=-1)
@@ -146,12 +171,58 @@ def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mas
         in_top_k = hit.any(-1) & valid
         selector_loss = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
         selector_weights = weights * in_top_k
-        selector_loss = (selector_loss * selector_weights.flatten()).sum() / selector_weights.sum().clamp(min=1e-6)
+        terms["selector_sum"] = (selector_loss * selector_weights.flatten()).sum()
+        terms["selector_weight"] = selector_weights.sum()
+        terms["in_top_k"] = in_top_k.sum().float()
+    return terms
+
+
+def drafter_losses(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float):
+    """Cross-entropy of the draft rows and the selector loss (this batch's weighted means), plus accuracy statistics
+    (detached tensors: reading them synchronises with the device, so the training loop reads them only when it
+    logs)."""
+    terms = drafter_loss_terms(drafter, features, token_ids, response_mask, anchors, gamma)
+    loss = terms["token_sum"] / terms["token_weight"].clamp(min=1e-6)
+    stats = {"token_loss": loss.detach(), "top1_by_position": terms["top1_correct"] / terms["top1_valid"].clamp(min=1)}
+    if "selector_sum" in terms:
+        selector_loss = terms["selector_sum"] / terms["selector_weight"].clamp(min=1e-6)
         stats["selector_loss"] = selector_loss.detach()
-        stats["top_k_recall"] = in_top_k.sum() / valid.sum().clamp(min=1)
+        stats["top_k_recall"] = terms["in_top_k"] / terms["valid"].clamp(min=1)
     else:
         selector_loss = loss.new_zeros(())
     return loss, selector_loss, stats
+
+
+class DrafterObjective(nn.Module):
+    """The training loss as a module around the drafter, so DistributedDataParallel can wrap it: the drafter's
+    parameters are its only parameters (the target's embeddings and head are borrowed, not registered).
+
+    The weighted sums are divided by their weights summed over all `world_size` processes (one all-reduce of two
+    numbers) and multiplied by `world_size`, which DDP's gradient averaging divides back out: the gradient is the
+    one of the whole global batch's loss. With one process this is `drafter_losses` exactly.
+    """
+
+    def __init__(self, drafter: DFlash2DraftModel, world_size: int = 1):
+        super().__init__()
+        self.drafter = drafter
+        self.world_size = world_size
+
+    def forward(self, features, token_ids, response_mask, anchors, gamma: float, selector_weight: float):
+        terms = drafter_loss_terms(self.drafter, features, token_ids, response_mask, anchors, gamma)
+        has_selector = "selector_sum" in terms
+        normalisers = torch.stack([terms["token_weight"], terms["selector_weight"] if has_selector else
+                                   terms["token_weight"]]).detach().float()
+        if self.world_size > 1:
+            dist.all_reduce(normalisers)
+        token_loss = terms["token_sum"] / normalisers[0].clamp(min=1e-6)
+        loss = token_loss
+        terms["token_loss"] = token_loss.detach()  # this process's share: the shares add up to the global loss
+        if has_selector:
+            selector_loss = terms["selector_sum"] / normalisers[1].clamp(min=1e-6)
+            loss = loss + selector_weight * selector_loss
+            terms["selector_loss"] = selector_loss.detach()
+        terms["loss"] = loss.detach()
+        return loss * self.world_size, terms
 
 
 def estimate_acceptance_length(top1_by_position_correct: torch.Tensor) -> float:
@@ -161,15 +232,19 @@ def estimate_acceptance_length(top1_by_position_correct: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def held_out_tau(drafter, target, batches, layer_ids, device) -> float:
-    """tau estimate on held-out sequences: the selector's greedy walk at random anchors vs the target's tokens."""
+def held_out_tau(drafter, target, batches, layer_ids, device, num_anchors: int = 16) -> float:
+    """tau estimate on held-out sequences: the selector's greedy walk at random anchors vs the target's tokens.
+
+    Only anchors whose whole block lies inside the response count (never a padding token as the truth)."""
+    was_training = drafter.training
     drafter.eval()
     correct_rows = []
     for token_ids, response_mask in batches:
-        anchors = sample_anchors(response_mask, 16, torch.Generator().manual_seed(1234)).to(device)
+        anchors = sample_anchors(response_mask, num_anchors, torch.Generator().manual_seed(1234)).to(device)
         token_ids, response_mask = token_ids.to(device), response_mask.to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
-        _, _, targets = block_inputs(token_ids, anchors, drafter.config.block_size, drafter.config.mask_token_id)
+        truth_ids = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
+        _, _, targets = block_inputs(truth_ids, anchors, drafter.config.block_size, drafter.config.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
@@ -178,8 +253,9 @@ def held_out_tau(drafter, target, batches, layer_ids, device) -> float:
         truth = targets.flatten(0, 1)[:, 1:]
         keep = (anchors.flatten() >= 0) & (truth >= 0).all(-1)
         correct_rows.append((drafts == truth)[keep].cpu())
-    drafter.train()
-    return estimate_acceptance_length(torch.cat(correct_rows)) if correct_rows else float("nan")
+    drafter.train(was_training)
+    rows = torch.cat(correct_rows) if correct_rows else torch.zeros(0, 1, dtype=torch.bool)
+    return estimate_acceptance_length(rows) if len(rows) else float("nan")
 
 
 def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -190,7 +266,7 @@ def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]
 
 # ------------------------------------------------------------------------------------------------ data
 def load_sequences(path) -> list[dict]:
-    """JSONL rows {"input_ids": [...], "prompt_length": int} written by `training.selfdistill`."""
+    """JSONL rows {"input_ids": [...], "prompt_length": int, ...} written by `training.selfdistill`."""
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
@@ -206,6 +282,80 @@ def collate(rows: list[dict], max_length: int, pad_id: int):
     return token_ids, response_mask
 
 
+def length_buckets(sequences: list[dict], global_batch: int) -> list[list[int]]:
+    """Sequence indices in buckets of `global_batch` similar lengths (little padding), covering every sequence once;
+    the last bucket is filled up with its shorter neighbours so every bucket is whole (a few sequences then appear
+    twice per epoch). Fewer sequences than one global batch: they repeat to fill it."""
+    if not sequences:
+        raise ValueError("no training sequences")
+    order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i]["input_ids"]), i))
+    if len(order) < global_batch:
+        order = sorted((order * math.ceil(global_batch / len(order)))[:global_batch],
+                       key=lambda i: (len(sequences[i]["input_ids"]), i))
+    buckets = [order[i: i + global_batch] for i in range(0, len(order) - global_batch + 1, global_batch)]
+    if len(order) % global_batch:
+        buckets.append(order[-global_batch:])
+    return buckets
+
+
+def epoch_order(num_buckets: int, seed: int, epoch: int) -> list[int]:
+    """The order the buckets are visited in during `epoch`: a permutation fixed by (seed, epoch)."""
+    order = list(range(num_buckets))
+    random.Random(f"dflash2-train:{seed}:epoch:{epoch}").shuffle(order)
+    return order
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The anchors of global step `step` are drawn from this generator (the same on every process)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2 ** 63))
+
+
+def planned_steps(train_config: TrainConfig, steps_per_epoch: int) -> int:
+    """The length of the schedule in steps: max_steps, or fewer when `epochs` passes over the data end sooner."""
+    if train_config.epochs is None:
+        return train_config.max_steps
+    return max(1, min(train_config.max_steps, math.ceil(train_config.epochs * steps_per_epoch)))
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states) -> None:
+    if isinstance(states, torch.Tensor):  # checkpoints written before the dict
+        torch.set_rng_state(states)
+        return
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(drafter, optimizer, step: int, directory: Path, train_config: TrainConfig,
+                    state: dict | None = None) -> None:
+    """Atomic: the whole checkpoint folder appears at once or not at all. `drafter/` is a loadable drafter folder
+    (fp32 training weights); `trainer_state.pt` holds the optimizer, the step, the config, the RNG states and `state`
+    (the schedule and data-order position)."""
+    with atomic_folder(directory) as staging:
+        drafter.save_pretrained(staging / "drafter")
+        torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_config": asdict(train_config),
+                    "rng": rng_states(), **(state or {})}, staging / "trainer_state.pt")
+
+
+def load_checkpoint(drafter, optimizer, directory: Path) -> dict:
+    """Load the drafter weights and optimizer state of a checkpoint in place; return its trainer state."""
+    directory = Path(directory)
+    state = torch.load(directory / "trainer_state.pt", weights_only=False, map_location="cpu")
+    dtype = next(drafter.parameters()).dtype
+    drafter.load_state_dict(type(drafter).from_pretrained(directory / "drafter", dtype=dtype).state_dict())
+    optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
 # ------------------------------------------------------------------------------------------------ the loop
 def learning_rate_factor(progress: float, warmup_fraction: float) -> float:
     """Linear warm-up, then cosine decay to 10%; progress in [0, 1] of steps or of the time budget."""
@@ -215,17 +365,58 @@ def learning_rate_factor(progress: float, warmup_fraction: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(tail, 1.0)))
 
 
-def save_checkpoint(drafter, optimizer, step: int, directory: Path, train_config: TrainConfig) -> None:
-    """Atomic: the whole checkpoint folder appears at once or not at all."""
-    with atomic_folder(directory) as staging:
-        drafter.save_pretrained(staging / "drafter")
-        torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_config": asdict(train_config),
-                    "rng": torch.get_rng_state()}, staging / "trainer_state.pt")
+def schedule_progress(step: int, total_steps: int, time_consumed_s: float, train_config: TrainConfig) -> float:
+    """Where the run stands in [0, 1]: of its steps, or of its time budget when that is further along."""
+    fraction = step / total_steps
+    if train_config.time_budget_s is not None:
+        fraction = max(fraction, time_consumed_s / train_config.time_budget_s)
+    return fraction
+
+
+def stop_reason(step: int, job_steps: int, total_steps: int, time_consumed_s: float, job_seconds: float,
+                train_config: TrainConfig) -> str | None:
+    if step >= total_steps:
+        return "schedule done (steps)"
+    if train_config.time_budget_s is not None and time_consumed_s >= train_config.time_budget_s:
+        return "schedule done (time budget)"
+    if train_config.job_time_limit_s is not None and job_seconds >= train_config.job_time_limit_s:
+        return "job time limit"
+    if train_config.job_max_steps is not None and job_steps >= train_config.job_max_steps:
+        return "job step limit"
+    return None
+
+
+def _reduced_record(terms: dict, loss_share: torch.Tensor, world: int) -> dict:
+    """The logged statistics of the global batch: each process's shares and counts, summed over processes."""
+    keys = [k for k in ("token_loss", "selector_loss", "in_top_k", "valid") if k in terms]
+    packed = torch.cat([loss_share.float().reshape(1)] + [terms[k].float().reshape(1) for k in keys]
+                       + [terms["top1_correct"].float(), terms["top1_valid"].float()])
+    if world > 1:
+        dist.all_reduce(packed)
+    values = dict(zip(["loss"] + keys, packed[: 1 + len(keys)].tolist()))
+    correct, counted = packed[1 + len(keys):].chunk(2)
+    record = {"loss": values["loss"], "token_loss": values["token_loss"]}
+    if "selector_loss" in values:
+        record["selector_loss"] = values["selector_loss"]
+        record["top_k_recall"] = values["in_top_k"] / max(values["valid"], 1.0)
+    record["top1_by_position"] = (correct / counted.clamp(min=1)).tolist()
+    return record
 
 
 def train(drafter, target, sequences, train_config: TrainConfig, output_dir, held_out=None, resume: bool = True,
           progress: bool = True, log=print):
-    """Train `drafter` (already bound to `target`) on self-distilled `sequences`. Returns the history of logs."""
+    """Train `drafter` (already bound to `target`) on self-distilled `sequences`. Returns the history of logs.
+
+    In a process group (torchrun; `training.distributed.init_distributed`) every process calls this with the same
+    sequences and a drafter of the same initialisation; process 0 logs, evaluates and writes checkpoints. With
+    `resume`, a checkpoint in `<output_dir>/checkpoint` is continued: same weights, optimizer state, step, time
+    consumed and data order. The job stops at the end of the schedule (steps, epochs or time budget) or at its own
+    limit (`job_time_limit_s`, `job_max_steps`), and always leaves a checkpoint.
+    """
+    rank, world = rank_and_world()
+    main = rank == 0
+    if not main:
+        log = lambda line: None  # noqa: E731
     device = next(target.parameters()).device
     drafter.to(device).train()
     output_dir = Path(output_dir)
@@ -233,51 +424,79 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     parameters = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=train_config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=train_config.weight_decay)
-    start_step = 0
+    global_batch = train_config.batch_size * world
+    buckets = length_buckets(sequences, global_batch)
+    total_steps = planned_steps(train_config, len(buckets))
+    start_step, time_before = 0, 0.0
     if resume and (checkpoint_dir / "trainer_state.pt").exists():
-        state = torch.load(checkpoint_dir / "trainer_state.pt", weights_only=False)
-        drafter.load_state_dict(type(drafter).from_pretrained(checkpoint_dir / "drafter").state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(drafter, optimizer, checkpoint_dir)
         start_step = state["step"]
-        log(f"resumed from step {start_step}")
+        time_before = float(state.get("time_consumed_s", 0.0))
+        saved_batch = state.get("global_batch", global_batch)
+        if saved_batch != global_batch or state.get("num_sequences", len(sequences)) != len(sequences):
+            raise ValueError(
+                f"{checkpoint_dir}: written by a run of {state.get('num_sequences')} sequences in global batches of "
+                f"{saved_batch}; this one has {len(sequences)} in batches of {global_batch} (batch size x processes). "
+                "Resume with the same data, batch size and number of processes, or start over (--no-resume).")
+        if "rng" in state:
+            restore_rng_states(state["rng"])
+        log(json.dumps({"resumed": start_step, "time_consumed_s": round(time_before, 1),
+                        "planned_steps": total_steps, "epoch": start_step / len(buckets)}))
+    objective = DrafterObjective(drafter, world)
+    model = objective
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    timing_group = host_group()
     gamma = train_config.gamma or default_gamma(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)
     pad_id = drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0
-    rng = random.Random(train_config.seed + start_step)
-    generator = torch.Generator().manual_seed(train_config.seed + start_step)
     held_out_batches = [collate(held_out[i: i + 8], train_config.max_length, pad_id)
-                        for i in range(0, len(held_out or []), 8)]
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]["input_ids"]))
-    buckets = [order[i: i + train_config.batch_size] for i in range(0, len(order), train_config.batch_size)]
+                        for i in range(0, len(held_out or []), 8)] if main else []
+    local_rows = slice(rank * train_config.batch_size, (rank + 1) * train_config.batch_size)
     history = []
-    started = time.time()
     bar = None
-    if progress:
+    if progress and main:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=train_config.max_steps, initial=start_step, desc="train", mininterval=5)
+        bar = tqdm(total=total_steps, initial=start_step, desc="train", mininterval=5)
+
+    def checkpoint_state(at_step: int, consumed: float) -> dict:
+        return {"time_consumed_s": consumed, "planned_steps": total_steps, "global_batch": global_batch,
+                "world_size": world, "num_sequences": len(sequences),
+                "epoch": at_step // len(buckets), "batch_in_epoch": at_step % len(buckets)}
+
     step = start_step
-    while step < train_config.max_steps:
-        elapsed = time.time() - started
-        if train_config.time_budget_s is not None and elapsed > train_config.time_budget_s:
+    job_started = time.time()
+    order_epoch, order = -1, []
+    while True:
+        # wall-clock decisions are process 0's, so that every process stops at the same step with the same schedule
+        job_seconds = broadcast_from_main([time.time() - job_started], timing_group)[0]
+        consumed = time_before + job_seconds
+        reason = stop_reason(step, step - start_step, total_steps, consumed, job_seconds, train_config)
+        if reason is not None:
             break
-        fraction = step / train_config.max_steps
-        if train_config.time_budget_s is not None:
-            fraction = max(fraction, elapsed / train_config.time_budget_s)
+        fraction = schedule_progress(step, total_steps, consumed, train_config)
         for group in optimizer.param_groups:
             group["lr"] = train_config.learning_rate * learning_rate_factor(fraction, train_config.warmup_fraction)
         selector_weight = train_config.selector_weight * min(1.0, fraction / max(train_config.selector_ramp_fraction,
                                                                                     1e-8))
-        token_ids, response_mask = collate([sequences[i] for i in rng.choice(buckets)], train_config.max_length,
+        epoch, index = divmod(step, len(buckets))
+        if epoch != order_epoch:
+            order_epoch, order = epoch, epoch_order(len(buckets), train_config.seed, epoch)
+        # the whole global batch is collated and its anchors drawn on every process (same padding, same anchors as
+        # one process holding it all); each process keeps its rows. Anchors are drawn on the host copy: no device
+        # synchronisation per row.
+        token_ids, response_mask = collate([sequences[i] for i in buckets[order[index]]], train_config.max_length,
                                            pad_id)
-        # anchors are drawn on the host copy: no device synchronisation per row
-        anchors = sample_anchors(response_mask, train_config.anchors_per_sequence, generator).to(device)
-        token_ids, response_mask = token_ids.to(device), response_mask.to(device)
+        anchors = sample_anchors(response_mask, train_config.anchors_per_sequence,
+                                 step_generator(train_config.seed, step), unique=train_config.unique_anchors)
+        token_ids, response_mask = token_ids[local_rows].to(device), response_mask[local_rows].to(device)
+        anchors = anchors[local_rows].to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
-            token_loss, selector_loss, stats = drafter_losses(drafter, features, token_ids, response_mask, anchors,
-                                                              gamma)
-            loss = token_loss + selector_weight * selector_loss
+            loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train_config.grad_clip)
@@ -285,24 +504,29 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
         step += 1
         if bar is not None:
             bar.update(1)
-        if step % train_config.log_every == 0 or step == 1:
-            record = {"step": step, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                      "lr": optimizer.param_groups[0]["lr"], "elapsed_s": round(time.time() - started, 1),
-                      **{name: value.tolist() for name, value in stats.items()}}
+        if step % train_config.log_every == 0 or step == start_step + 1:
+            record = {"step": step, **_reduced_record(terms, terms["loss"], world), "grad_norm": float(grad_norm),
+                      "lr": optimizer.param_groups[0]["lr"], "elapsed_s": round(consumed, 1)}
             history.append(record)
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
         if held_out_batches and step % train_config.eval_every == 0:
-            tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device)
+            tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device, train_config.held_out_anchors)
             history.append({"step": step, "held_out_tau": tau})
             log(json.dumps({"step": step, "held_out_tau": round(tau, 3)}))
-        if step % train_config.checkpoint_every == 0:
-            save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config)
+        if main and step % train_config.checkpoint_every == 0:
+            save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config,
+                            checkpoint_state(step, time_before + time.time() - job_started))
     if bar is not None:
         bar.close()
+    log(json.dumps({"stopped": reason, "step": step, "planned_steps": total_steps,
+                    "time_consumed_s": round(consumed, 1), "epochs": round(step / len(buckets), 3)}))
     if held_out_batches:
-        tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device)
+        tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device, train_config.held_out_anchors)
         history.append({"step": step, "held_out_tau": tau, "final": True})
         log(json.dumps({"step": step, "held_out_tau": round(tau, 3), "final": True}))
-    save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config)
+    if main:
+        save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config, checkpoint_state(step, consumed))
+    if world > 1:
+        dist.barrier(group=timing_group)  # every process returns once the checkpoint is complete
     return history
