@@ -148,7 +148,9 @@ def serving_commands(folder, target: str | None = None, block_size: int | None =
     if block_size is None:
         config = json.loads((folder / "config.json").read_text())
         block_size = config["dflash_config"]["block_size"]
-        target = target or config.get("target_name_or_path")
+        named = config.get("target_name_or_path")
+        if target is None and named and not named.startswith("pypi:") and not config.get("target_gguf_file"):
+            target = named  # a Hub id or folder an engine can load (not a GGUF file inside a Python package)
     target = target or "<target model>"
     spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": block_size - 1})
     return {
