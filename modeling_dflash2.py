@@ -641,6 +641,10 @@ def _execution_device(module: nn.Module, fallback: torch.device) -> torch.device
 def tap_target_features(hidden_states, layer_ids, rows: slice = slice(None)) -> torch.Tensor:
     """The drafter's input: hidden states of target decoder layers `layer_ids` (HF output index i + 1) concatenated
     along the feature axis, [b, rows, taps * H], on the device of the first tapped layer."""
+    if hidden_states is None:
+        raise ValueError("The target returned no hidden states for output_hidden_states=True, so the drafter has "
+                         "nothing to read (DFlash 2 taps target layers). Use a target whose forward returns "
+                         "hidden_states, or decode without the drafter.")
     device = hidden_states[layer_ids[0] + 1].device
     return torch.cat([hidden_states[i + 1][:, rows].to(device) for i in layer_ids], dim=-1)
 

@@ -73,7 +73,7 @@ def attach(drafter, target, use_by_default: bool = False):
 
     target._get_candidate_generator = _get_candidate_generator
     target.generate = generate
-    target._dflash2_drafter = drafter
+    target.__dict__["_dflash2_drafter"] = drafter  # not nn.Module.__setattr__: the drafter is no submodule of the target
     return target
 
 

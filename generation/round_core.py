@@ -270,5 +270,6 @@ def check_target_fits(target) -> None:
     unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
     if unsupported:
         raise ValueError(f"The target has {unsupported} layers, whose state cannot be rolled back to a verified "
-                         "position; DFlash 2's own loops need attention-only targets. Use transformers' assisted "
-                         "loop (batch 1, no cache_implementation='static').")
+                         "position, so no speculative loop can verify drafts for it (transformers' assisted generation "
+                         "refuses such stateful models too). DFlash 2 needs attention-only targets: decode this one "
+                         "without assistant_model.")

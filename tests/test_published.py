@@ -419,8 +419,6 @@ def test_linear_attention_targets_are_refused_in_every_loop(loop):
         generate_each_loop(target, drafter, loop)
 
 
-@pytest.mark.xfail(strict=True, reason="round_core.check_target_fits advises transformers' assisted loop for "
-                   "linear-attention targets, which refuses stateful models too (fix described in the issue #15 report)")
 def test_linear_attention_refusal_does_not_point_to_a_loop_that_refuses_it_too():
     target = tiny_linear_attention_target()
     drafter = tiny_drafter(target, target_layer_ids=[0, 1, 2]).attach(target)
@@ -449,9 +447,6 @@ class BlindQwen3:
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="a target that returns no hidden states fails with "
-                   "TypeError ('NoneType' object is not subscriptable) in tap_target_features instead of a message "
-                   "(fix described in the issue #15 report)")
 @pytest.mark.parametrize("loop", ["static", "assisted"])
 def test_a_target_without_hidden_states_is_refused_with_a_message(loop):
     target = BlindQwen3.make()
@@ -475,8 +470,6 @@ def test_drafters_that_do_not_fit_the_target_are_refused_at_attach():
         no_mask.attach(target)
 
 
-@pytest.mark.xfail(strict=True, reason="hooks.attach sets target._dflash2_drafter through nn.Module.__setattr__, which "
-                   "registers the drafter as a submodule of the target (fix described in the issue #15 report)")
 def test_attach_leaves_the_targets_modules_and_weights_alone():
     target = tiny_target("qwen3")
     names = set(target.state_dict())
