@@ -254,6 +254,21 @@ def test_one_epoch_visits_every_sequence_once_and_ends_the_schedule(tmp_path, mo
     assert planned_steps(dataclasses.replace(config, epochs=2.5, max_steps=5), 3) == 5
 
 
+def test_a_long_row_keeps_its_response_in_the_window():
+    def row(prompt, response):
+        return {"input_ids": list(range(100, 100 + prompt + response)), "prompt_length": prompt}
+
+    ids, mask = collate([row(30, 10), row(5, 3)], 64, 0)  # fits: unchanged, right-padded
+    assert ids[0].tolist() == list(range(100, 140)) and mask[0].nonzero().flatten().tolist() == list(range(30, 40))
+    assert ids[1, 8:].eq(0).all() and mask[1].nonzero().flatten().tolist() == [5, 6, 7]
+    ids, mask = collate([row(100, 20)], 40, 0)  # long prompt: the whole response and the prompt's last 20 tokens
+    assert ids[0].tolist() == list(range(180, 220)) and mask[0].sum() == 20 and not mask[0, :20].any()
+    ids, mask = collate([row(100, 80)], 40, 0)  # long response: a quarter-window of prompt, the response's start
+    assert ids[0].tolist() == list(range(190, 230)) and mask[0].nonzero().flatten().tolist() == list(range(10, 40))
+    ids, mask = collate([row(4, 80)], 40, 0)  # short prompt, long response: from the start
+    assert ids[0].tolist() == list(range(100, 140)) and mask[0].sum() == 36
+
+
 def test_length_buckets_are_whole_and_cover_every_sequence():
     rows = [{"input_ids": [0] * n} for n in (5, 3, 9, 7, 1, 4, 8)]
     buckets = length_buckets(rows, 3)

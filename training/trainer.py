@@ -271,14 +271,29 @@ def load_sequences(path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def training_window(total: int, prompt_length: int, max_length: int) -> int:
+    """Where a row longer than `max_length` starts: the whole response and the prompt's last tokens when the response
+    leaves at least a quarter of the window to the prompt, else the last quarter-window of the prompt and the
+    response's beginning. Rows that fit start at 0."""
+    if total <= max_length:
+        return 0
+    context = max_length // 4
+    if total - prompt_length <= max_length - context:
+        return total - max_length
+    return max(0, prompt_length - context)
+
+
 def collate(rows: list[dict], max_length: int, pad_id: int):
+    """Right-padded token ids [b, L] and the mask of response tokens [b, L], L <= max_length; a longer row keeps the
+    window `training_window` picks (so a long prompt never pushes its response out)."""
     length = min(max_length, max(len(r["input_ids"]) for r in rows))
     token_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     response_mask = torch.zeros((len(rows), length), dtype=torch.bool)
     for i, row in enumerate(rows):
-        ids = row["input_ids"][:length]
+        start = training_window(len(row["input_ids"]), row["prompt_length"], max_length)
+        ids = row["input_ids"][start: start + length]
         token_ids[i, : len(ids)] = torch.tensor(ids)
-        response_mask[i, row["prompt_length"]: len(ids)] = True
+        response_mask[i, max(0, row["prompt_length"] - start): len(ids)] = True
     return token_ids, response_mask
 
 
