@@ -143,8 +143,8 @@ def parameter_bytes(module) -> int:
 
 
 def release_drafter(drafter, target) -> None:
-    """Detach, and drop the drafter from the target's submodules: `attach` currently registers it there (assigning
-    a module attribute), and `detach` leaves it, which would keep its weights alive and in later peak memory."""
+    """Detach, and make sure the target keeps no reference to the drafter (older `attach` registered it as a
+    submodule of the target): its weights must not stay alive into the next method's peak memory."""
     drafter.detach(target)
     target._modules.pop("_dflash2_drafter", None)
 
