@@ -52,7 +52,8 @@ _OUR_TENSOR_NAME = re.compile(
     r"|candidate_selector\.(hidden_projection\.weight|predecessor_codebook|successor_codebook)"
     r"|layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight"
     r"|mlp\.(gate|up|down)_proj\.weight|input_layernorm\.weight|post_attention_layernorm\.weight"
-    r"|(attention|mlp)_conv\.(base_kernel|kernel_projection\.weight)))")
+    r"|(attention|mlp)_conv\.(base_kernel|kernel_projection\.weight)))"
+    r"|(.*\.)?rotary_emb\.inv_freq")  # saved by some older checkpoints; recomputed from the config, safe to drop
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:

@@ -258,6 +258,14 @@ def test_published_folders_with_tensors_we_would_drop_are_refused_on_every_path(
             load(loader, remote if loader == "AutoModel" else tmp_path / "published")
 
 
+def test_a_saved_rotary_buffer_is_not_refused(tmp_path):
+    """Older checkpoints may hold `rotary_emb.inv_freq`; it is recomputed from the config, dropping it changes nothing."""
+    tensors = write_published_folder(tmp_path / "published", tiny_published_config(2),
+                                     extra_tensors={"rotary_emb.inv_freq": torch.ones(8)})
+    model = DFlash2DraftModel.from_pretrained(tmp_path / "published")
+    assert all(torch.equal(t, tensors[n]) for n, t in model.state_dict().items())
+
+
 def test_a_separate_mask_embedding_file_is_refused(tmp_path):
     write_published_folder(tmp_path / "published", tiny_published_config(2))
     torch.save(torch.zeros(64), tmp_path / "published" / "mask_embedding.pt")
