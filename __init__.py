@@ -17,6 +17,7 @@ _EXPORTS = {
     "attach": "generation",
     "detach": "generation",
     "export_drafter": "generation",
+    "export_published": "generation.published",
     "load_target": "generation",
 }
 
