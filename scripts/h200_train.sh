@@ -11,7 +11,8 @@
 #   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 420), torchrun
 #                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
 #   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
-#   bash scripts/h200_train.sh measure [N]       # HumanEval tau of /tmp/run2/drafter and /tmp/run1/drafter (N prompts)
+#   bash scripts/h200_train.sh measure [N]       # greedy HumanEval tau of /tmp/run2/drafter and /tmp/run1/drafter
+#                                                # (first N prompts, default all 164; one GPU each; carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
 # MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1024 per GPU), DISTILL_S (360: no new batch after);
@@ -102,17 +103,21 @@ train)
   ;;
 
 measure)
-  n="${2:-40}"
+  n="${2:-164}"
+  need "${DFLASH2_EVAL_DIR}/HumanEval.jsonl.gz" "carry .carry/eval (the HumanEval prompts) in this call"
   for v in 2 1; do need "/tmp/run$v/drafter/config.json" "train $v first"; done
   SECONDS=0
-  timeout 540 python3 -m dflash2.cli bench --drafter /tmp/run2/drafter --dflash1-drafter /tmp/run1/drafter \
-    --tasks humaneval --num-prompts "$n" --max-new-tokens 128 --device "$DEVICE" --out /tmp/bench 2>&1 | quiet \
-    | tee "$OUT/measure.log"
-  status=${PIPESTATUS[0]}
-  cp /tmp/bench/results.json /tmp/bench/results.md "$OUT/" 2>/dev/null
-  echo "measure: exit $status after ${SECONDS}s" | tee -a "$OUT/measure.log"
+  tau() {  # version: greedy tau over the first n HumanEval prompts, 128 new tokens, bf16 on CUDA (fp32 on a CPU)
+    timeout 500 python3 -m dflash2.benchmarks.acceptance --task humaneval --num-prompts "$n" --max-new-tokens 128 \
+      --drafter "/tmp/run$1/drafter" --device "$DEVICE" --out "$OUT/tau$1.json" 2>&1 | quiet > "$OUT/measure$1.log"
+    echo "tau $1: exit ${PIPESTATUS[0]}: $(grep '"tau"' "$OUT/measure$1.log")"; }
+  if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then
+    (CUDA_VISIBLE_DEVICES=0 tau 2) & (CUDA_VISIBLE_DEVICES=1 tau 1) & wait
+  else
+    tau 2; tau 1
+  fi
+  echo "measure: ${SECONDS}s"
   carried
-  exit "$status"
   ;;
 
 *)
