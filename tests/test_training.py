@@ -146,12 +146,20 @@ def _quiet(config, drafter, target, data, folder, **kwargs):
 def test_two_jobs_with_resume_reach_the_weights_of_one_job(tmp_path):
     """8 steps in one job == 5 steps, then a resumed job to the end (fp32, bit for bit): the resumed job gets the
     weights, the AdamW moments, the schedule position and the data order (the cut falls inside an epoch) from the
-    checkpoint. A restart from the same weights without the rest of the state lands elsewhere."""
+    checkpoint. A restart from the same weights without the rest of the state lands elsewhere. The memory probe at
+    each job's start changes nothing."""
     target = _frozen(tiny_target("qwen3", seed=12))
     data = self_distilled(target, 10, length=16)  # 3 global batches of 4 per epoch: step 5 is inside epoch 2
     config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=32, max_steps=8, learning_rate=3e-3,
-                         warmup_fraction=0.25, checkpoint_every=1000, log_every=1)
-    _quiet(config, tiny_drafter(target, block_size=4).bind_target(target), target, data, tmp_path / "one")
+                         warmup_fraction=0.25, checkpoint_every=1000, log_every=1, memory_probe=True)
+    lines = []
+    train(tiny_drafter(target, block_size=4).bind_target(target), target, data, config, tmp_path / "one",
+          progress=False, log=lines.append)
+    assert json.loads(lines[0])["memory_probe"] == "longest batch"  # a forward and backward without an update:
+    _quiet(dataclasses.replace(config, memory_probe=False), tiny_drafter(target, block_size=4).bind_target(target),
+           target, data, tmp_path / "no-probe")
+    assert all(torch.equal(a, b) for a, b in zip(_weights(tmp_path / "one").values(),
+                                                  _weights(tmp_path / "no-probe").values()))
     _quiet(dataclasses.replace(config, job_max_steps=5), tiny_drafter(target, block_size=4).bind_target(target),
            target, data, tmp_path / "two")
     first_job = torch.load(tmp_path / "two" / "checkpoint" / "trainer_state.pt", weights_only=False)

@@ -58,6 +58,7 @@ class TrainConfig:
     selector_ramp_fraction: float = 0.2
     eval_every: int = 200
     held_out_anchors: int = 16
+    memory_probe: bool | None = None  # one forward/backward on the longest batch first (None: on CUDA only)
     checkpoint_every: int = 500
     seed: int = 0
     bf16: bool = True
@@ -322,7 +323,7 @@ def epoch_order(num_buckets: int, seed: int, epoch: int) -> list[int]:
 
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The anchors of global step `step` are drawn from this generator (the same on every process)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2 ** 63))
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2 ** 63))  # step -1: the memory probe
 
 
 def planned_steps(train_config: TrainConfig, steps_per_epoch: int) -> int:
@@ -482,6 +483,36 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                 "world_size": world, "num_sequences": len(sequences),
                 "epoch": at_step // len(buckets), "batch_in_epoch": at_step % len(buckets)}
 
+    def forward_backward(bucket: list[int], generator: torch.Generator, selector_weight: float):
+        # the whole global batch is collated and its anchors drawn on every process (same padding, same anchors as
+        # one process holding it all); each process keeps its rows. Anchors are drawn on the host copy: no device
+        # synchronisation per row.
+        token_ids, response_mask = collate([sequences[i] for i in bucket], train_config.max_length, pad_id)
+        anchors = sample_anchors(response_mask, train_config.anchors_per_sequence, generator,
+                                 unique=train_config.unique_anchors)
+        token_ids, response_mask = token_ids[local_rows].to(device), response_mask[local_rows].to(device)
+        anchors = anchors[local_rows].to(device)
+        features = target_hidden_features(target, token_ids, layer_ids)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
+            loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return terms
+
+    probe = train_config.memory_probe if train_config.memory_probe is not None else device.type == "cuda"
+    if probe and start_step < total_steps:
+        # the longest global batch first, forward and backward, no update: an out-of-memory error comes now, not
+        # minutes into the job when that batch's turn comes; the peak memory is logged for sizing the batch
+        longest = max(buckets, key=lambda bucket: max(len(sequences[i]["input_ids"]) for i in bucket))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        forward_backward(longest, step_generator(train_config.seed, -1), train_config.selector_weight)
+        optimizer.zero_grad(set_to_none=True)
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        log(json.dumps({"memory_probe": "longest batch", "tokens_per_sequence": min(
+            train_config.max_length, max(len(sequences[i]["input_ids"]) for i in longest)),
+            "peak_gib": None if peak is None else round(peak, 2)}))
+
     step = start_step
     job_started = time.time()
     order_epoch, order = -1, []
@@ -500,20 +531,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
         epoch, index = divmod(step, len(buckets))
         if epoch != order_epoch:
             order_epoch, order = epoch, epoch_order(len(buckets), train_config.seed, epoch)
-        # the whole global batch is collated and its anchors drawn on every process (same padding, same anchors as
-        # one process holding it all); each process keeps its rows. Anchors are drawn on the host copy: no device
-        # synchronisation per row.
-        token_ids, response_mask = collate([sequences[i] for i in buckets[order[index]]], train_config.max_length,
-                                           pad_id)
-        anchors = sample_anchors(response_mask, train_config.anchors_per_sequence,
-                                 step_generator(train_config.seed, step), unique=train_config.unique_anchors)
-        token_ids, response_mask = token_ids[local_rows].to(device), response_mask[local_rows].to(device)
-        anchors = anchors[local_rows].to(device)
-        features = target_hidden_features(target, token_ids, layer_ids)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
-            loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        terms = forward_backward(buckets[order[index]], step_generator(train_config.seed, step), selector_weight)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, train_config.grad_clip)
         optimizer.step()
         step += 1
