@@ -69,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (one is also "
                         "written when a job stops)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to train (default: cuda when present, else cpu); under torchrun each process "
+                             "takes cuda:LOCAL_RANK")
     parser.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--no-resume", action="store_true")
