@@ -8,16 +8,16 @@
 #
 #   bash scripts/h200_train.sh check             # GPUs, versions, target, data, checkpoints (seconds)
 #   bash scripts/h200_train.sh data              # self-distillation, torchrun on all GPUs -> /tmp/data.jsonl
-#   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 420), torchrun
+#   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 360), torchrun
 #                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
 #   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
 #   bash scripts/h200_train.sh measure [N]       # greedy HumanEval tau of /tmp/run2/drafter and /tmp/run1/drafter
 #                                                # (first N prompts, default all 164; one GPU each; carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
-# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1024 per GPU), DISTILL_S (360: no new batch after);
+# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
-# over; default JOB_S: one job is the whole run; e.g. BUDGET=840 with two jobs of 420), BLOCK (16), ANCHORS (128),
+# over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), INIT2 / INIT1 (a drafter folder to start
 # from instead of scratch).
@@ -41,7 +41,8 @@ carried() {
   echo "--- files under \$OUT to carry back (at most 8 of 16 MB):"
   (cd "$OUT" && ls -l | awk 'NR > 1 {printf "  %s  %.1f MB\n", $NF, $5 / 1048576}')
 }
-need /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf "stage the target first (../shared/device/stage-target.sh calls)"
+[ "$phase" = check ] || need /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf \
+  "stage the target first (../shared/device/stage-target.sh calls)"
 
 case "$phase" in
 check)
@@ -49,7 +50,7 @@ check)
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
     'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
   python3 -c "import dflash2.training.trainer, dflash2.training.selfdistill; print('dflash2 training imports')"
-  ls -la /tmp/data.jsonl /tmp/run*/checkpoint/trainer_state.pt /tmp/run*/drafter/config.json 2>&1
+  ls -la /tmp/target/*.gguf /tmp/data.jsonl /tmp/run*/checkpoint/trainer_state.pt /tmp/run*/drafter/config.json 2>&1
   ;;
 
 data)
@@ -60,8 +61,8 @@ data)
   SECONDS=0
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-1024}" \
-    --time-limit "${DISTILL_S:-360}" 2>&1 | quiet | tee "$OUT/distill.log"
+    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-1536}" \
+    --time-limit "${DISTILL_S:-300}" 2>&1 | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
   echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
     | tee -a "$OUT/distill.log"
@@ -71,7 +72,7 @@ data)
 
 train)
   version="${2:?train VERSION (2 or 1) [JOB_S]}"
-  job_s="${3:-420}"
+  job_s="${3:-360}"
   need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
   run="/tmp/run$version"
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
