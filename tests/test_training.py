@@ -113,12 +113,13 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise OSError("disk full")
 
+    contents = {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
     monkeypatch.setattr(torch, "save", explode)
-    try:
+    with pytest.raises(OSError, match="disk full"):
         save_checkpoint(drafter, optimizer, 2, tmp_path / "ckpt", TrainConfig())
-    except OSError:
-        pass
     assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*")) == before  # the old checkpoint is intact
+    assert all(p.read_bytes() == data for p, data in contents.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging folder left behind
 
 
 def _batch(rows):
