@@ -115,8 +115,8 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
             capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
         else:
             capacity = -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
-
-        runner = cores[key] = RoundRunner(RoundCore(target, drafter, batch, capacity, sampling, eos), mode)
+        runner = cores[key] = RoundRunner(RoundCore(target, drafter, batch, capacity, sampling, eos), mode,
+                                          capture=graphs)
     return runner
 
 

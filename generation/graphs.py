@@ -59,10 +59,10 @@ class RoundRunner:
     """Runs `core.round` one of three ways, chosen once per core.
 
     "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager round captured as a CUDA
-    graph. "compile": `torch.compile` (inductor) on first use; on CUDA the compiled round is then captured.
+    graph. "compile": `torch.compile` (inductor) on first use, then captured when `capture` (one CUDA device).
     """
 
-    def __init__(self, core: RoundCore, mode: str):
+    def __init__(self, core: RoundCore, mode: str, capture: bool = True):
         self.core, self.mode = core, mode
         if mode == "eager":
             self._step, self.kind = core.round, "eager"
@@ -70,7 +70,7 @@ class RoundRunner:
             self._step, self.kind = CapturedRound(core.round), "graph (eager kernels)"
         elif mode == "compile":
             compiled = torch.compile(core.round, mode="default", dynamic=False)
-            if core.device.type == "cuda":
+            if capture and core.device.type == "cuda":
                 core.round()  # eager once: builds the lazily allocated cache buffers outside the compiled graph
                 self._step, self.kind = CapturedRound(compiled), "graph (fused)"
             else:
