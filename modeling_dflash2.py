@@ -339,9 +339,12 @@ def walk_path(
     return torch.stack(tokens, dim=1), torch.stack(row_scores, dim=1)
 
 
-def sample_gumbel(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
-    uniform = torch.rand(shape, device=device, generator=generator, dtype=torch.float32)
-    return -torch.log(-torch.log(uniform.clamp_(min=1e-20, max=1.0 - 1e-7)))
+def sample_gumbel(shape, device, generator: torch.Generator | None = None, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Standard Gumbel noise (fp32); with `out`, written in place into that fixed buffer (graph inputs)."""
+    if out is None:
+        out = torch.empty(shape, device=device, dtype=torch.float32)
+    return out.uniform_(generator=generator).clamp_(min=1e-20, max=1.0 - 1e-7).log_().neg_().log_().neg_()
 
 
 def draft_gumbel(drafter, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:

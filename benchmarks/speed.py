@@ -153,7 +153,7 @@ def main(argv=None):
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {"plain": [], "dflash2": []}
-        taus, forwards, agree = [], 0, 0
+        forwards, agree = 0, 0
         for ids in items:
             out, s, tokens, stats = call("dflash2", ids)
             rows["dflash2"].append((s, tokens))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .modeling_dflash2 import cache_keyword, tap_target_features
+from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import Sampling, draft_temperature, first_token, greedy_accept, speculative_accept, warped_probabilities
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
@@ -75,9 +75,6 @@ class ColumnCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
-
-    def reset(self) -> None:
-        pass  # nothing to clear: the prefill overwrites what a row will see
 
 
 class RoundCore:
@@ -203,7 +200,7 @@ class RoundCore:
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
         """Fill the round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the tests)."""
         for buffer in (self.draft_noise, self.bonus_noise):
-            buffer.uniform_(generator=generator).clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_().neg_()
+            sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
         self.uniform.uniform_(generator=generator)
 
     # ------------------------------------------------------------------------------------------ prefill

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .modeling_dflash2 import draft_gumbel, sample_gumbel
 
 
 @dataclass(frozen=True)
@@ -89,17 +88,6 @@ def first_token(logits, sampling: Sampling, generator=None):
     if not sampling.do_sample:
         return logits.argmax(-1)
     return torch.multinomial(warped_probabilities(logits, sampling), 1, generator=generator).squeeze(-1)
-
-
-def round_noise(drafter, batch: int, sampling: Sampling, generator=None):
-    """Randomness of one sampling round, drawn up front: Gumbel noise for the draft walk, uniforms for the
-    acceptance tests, Gumbel noise for the residual / bonus sample. None when greedy."""
-    if not sampling.do_sample:
-        return None
-    rows, vocab, device = drafter.config.block_size - 1, drafter.config.vocab_size, drafter.device
-    return (draft_gumbel(drafter, batch, generator),
-            torch.rand((batch, rows), device=device, generator=generator),
-            sample_gumbel((batch, vocab), device, generator))
 
 
 def draft_temperature(sampling: Sampling):
