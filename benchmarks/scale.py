@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import random
 import sys
 import time

@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from training_helpers import save_tiny_target, write_prompt_file
 from dflash2.cli import build_parser
