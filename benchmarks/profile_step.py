@@ -112,7 +112,7 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     round (the host reads, the Python loop, the graph launches), the measured round being a generate call's time
     after its first round (a 2-token call's time taken off), per round."""
     from dflash2.benchmarks.bench import synchronize, timed_generate
-    from dflash2.generation.graphs import CapturedRound
+    from dflash2.generation.graphs import CapturedGraph
     from dflash2.tasks import chat_prompt_ids
 
     device = drafter.device
@@ -150,7 +150,7 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
     def as_the_round_runs(function):
         if fused:
             function = torch.compile(function, mode="default", dynamic=False)
-        return CapturedRound(function) if device.type == "cuda" and runner.kind.startswith("graph") else function
+        return CapturedGraph(function) if device.type == "cuda" and runner.kind.startswith("graph") else function
 
     def back_to_back(call) -> float:  # no synchronisation between calls: what the device needs per call
         for _ in range(3):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .graphs import RoundRunner
-from .round_core import RoundCore
+from .round_core import RoundCore, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
@@ -42,13 +42,14 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     pad = pad if pad is not None else (eos[0] if eos else 0)
 
     bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
-    needed = max(length, drafter.config.block_size) + max_new_tokens + drafter.config.block_size
+    block = drafter.config.block_size
+    needed = prefill_width(length, block, bucketed=uses_graphs(target, drafter)) + max_new_tokens + block
     runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
     core = runner.core
-    core.prefill(input_ids, attention_mask, max_new_tokens, generator)
+    runner.prefill(input_ids, attention_mask, max_new_tokens, generator)
     if bucket > batch:
         core.done[batch:] = True
     if streamer is not None:
@@ -104,7 +105,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     captured graphs; a longer one builds a core of twice the capacity.
     """
     cores = drafter.__dict__.setdefault("_round_cores", {})
-    graphs = drafter.device.type == "cuda" and single_device(target, drafter)
+    graphs = uses_graphs(target, drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
     mode = "compile" if compile else ("graph" if graphs else "eager")
@@ -115,9 +116,14 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
             capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
         else:
             capacity = -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
-        runner = cores[key] = RoundRunner(RoundCore(target, drafter, batch, capacity, sampling, eos), mode,
-                                          capture=graphs)
+        core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
+        runner = cores[key] = RoundRunner(core, mode, capture=graphs)
     return runner
+
+
+def uses_graphs(target, drafter) -> bool:
+    """Rounds (and prefills) are captured as CUDA graphs: one CUDA device holds the target and the drafter."""
+    return drafter.device.type == "cuda" and single_device(target, drafter)
 
 
 def single_device(target, drafter) -> bool:

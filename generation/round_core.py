@@ -22,6 +22,16 @@ from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import Sampling, draft_temperature, first_token, greedy_accept, speculative_accept, warped_probabilities
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
+# Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one
+PREFILL_BUCKETS = tuple(2 ** k for k in range(4, 12))  # 16 .. 2048 = PREFILL_CHUNK
+
+
+def prefill_width(length: int, block_size: int, bucketed: bool = False) -> int:
+    """Columns a prompt of `length` tokens is left-padded to (the first round's context is its last block)."""
+    width = max(length, block_size)
+    if bucketed and width <= PREFILL_BUCKETS[-1]:
+        return next(bucket for bucket in PREFILL_BUCKETS if bucket >= width)
+    return width
 
 
 class ColumnCache:
@@ -80,7 +90,8 @@ class ColumnCache:
 class RoundCore:
     """Fixed buffers and one fixed-shape round for (target, drafter, batch, capacity, sampling settings)."""
 
-    def __init__(self, target, drafter, batch: int, capacity: int, sampling: Sampling, eos_token_ids=()):
+    def __init__(self, target, drafter, batch: int, capacity: int, sampling: Sampling, eos_token_ids=(),
+                 bucketed_prefill: bool = False):
         config = drafter.config
         check_target_fits(target)
         self.target, self.drafter, self.sampling = target, drafter, sampling
@@ -113,6 +124,11 @@ class RoundCore:
         self.output_length = torch.zeros(batch, **long)
         self.rounds = torch.zeros(batch, **long)
         self.accepted_per_position = torch.zeros(batch, block - 1, **long)
+        # ---- the prompt, staged for `encode_prompt`, and what encoding it leaves for `start_decoding`
+        self.bucketed_prefill = bucketed_prefill
+        self.prompt_ids = torch.zeros(batch, PREFILL_CHUNK if bucketed_prefill else block, **long)
+        self.prompt_logits = torch.zeros(batch, text.vocab_size, dtype=torch.float32, device=device)
+        self.prompt_features = torch.zeros_like(self.features)
         # ---- randomness of a sampling round, drawn outside the round (see `draw_noise`)
         width = config.selector_top_k if drafter.candidate_selector is not None else config.vocab_size
         self.draft_noise = torch.zeros(batch, block - 1, width, device=device)
@@ -205,30 +221,65 @@ class RoundCore:
 
     # ------------------------------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
-        """Encode left-padded prompts [b, P] into both caches and emit each row's first token. Eager; any length."""
+    def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None, encode=None) -> None:
+        """Encode left-padded prompts [b, P] into both caches and emit each row's first token.
+
+        Three steps: `stage_prompt` (the prompt into fixed buffers, left-padded to `prefill_width`), `encode_prompt`
+        (the target and drafter forwards: eager, or `encode()` -- a replay of a graph captured from `encode_prompt(width)`
+        -- when given),
+        `start_decoding` (the first token and the round state)."""
+        width, staged = self.stage_prompt(input_ids, attention_mask, max_new_tokens)
+        if encode is not None and staged is self.prompt_ids:
+            encode()
+        else:
+            self.encode_prompt(width, staged)
+        self.start_decoding(width, max_new_tokens, generator)
+
+    def prefill_width(self, length: int) -> int:
+        """Columns the prompt is left-padded to: at least a block; with `bucketed_prefill`, the next prefill bucket."""
+        return prefill_width(length, self.block_size, self.bucketed_prefill)
+
+    def stage_prompt(self, input_ids, attention_mask, max_new_tokens: int):
+        """The prompt left-padded to its prefill width, in the fixed staging buffer `prompt_ids` when it fits there
+        (else in a tensor of its own); each row's first column set. Returns (width, the staged ids)."""
         batch, length = input_ids.shape
-        block = self.block_size
-        width = max(length, block)  # the first round's context is the prompt's last block of columns
-        if width + max_new_tokens + block > self.capacity:
+        width = self.prefill_width(length)
+        if width + max_new_tokens + self.block_size > self.capacity:
             raise ValueError(f"prompt ({length}) + max_new_tokens ({max_new_tokens}) + block does not fit the "
                              f"buffers' capacity {self.capacity}.")
-        ids = torch.nn.functional.pad(input_ids.to(self.device), (width - length, 0), value=0)
-        mask = torch.nn.functional.pad(attention_mask.to(self.device, torch.long), (width - length, 0), value=0)
-        self.first_column.copy_(width - mask.sum(-1))
-        first = self.first_column.view(-1, 1)
+        staged = self.prompt_ids if width <= self.prompt_ids.shape[1] else torch.zeros(
+            batch, width, dtype=torch.long, device=self.device)
+        staged[:, : width - length] = 0
+        staged[:, width - length: width] = input_ids.to(self.device)
+        self.first_column.copy_(width - attention_mask.to(self.device).long().sum(-1))
+        return width, staged
+
+    @torch.no_grad()
+    def encode_prompt(self, width: int, staged: torch.Tensor | None = None) -> None:
+        """The staged prompt's columns 0 .. width-1 through the target (in chunks) and into the drafter's context;
+        writes `prompt_logits` [b, V] (the last column's) and `prompt_features` [b, B, taps*H] (the last block's).
+        Reads and writes fixed buffers only, so one graph per width can be captured from it."""
+        batch, first = self.batch, self.first_column.view(-1, 1)
+        staged = self.prompt_ids if staged is None else staged
         for begin in range(0, width, PREFILL_CHUNK):
             columns = self.columns[begin: min(begin + PREFILL_CHUNK, width)].expand(batch, -1)
             self.target_cache.set_write_columns(columns)
-            out = self.target(input_ids=ids[:, columns[0]], position_ids=(columns - first).clamp(min=0),
-                              attention_mask=self.target_masks(columns), use_cache=True, output_hidden_states=True,
-                              logits_to_keep=1, **{self.cache_keyword: self.target_cache})
+            out = self.target(input_ids=staged[:, begin: begin + columns.shape[1]],
+                              position_ids=(columns - first).clamp(min=0), attention_mask=self.target_masks(columns),
+                              use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                              **{self.cache_keyword: self.target_cache})
             features = tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
             self.store_context(features, columns)
-        token = first_token(out.logits[:, -1].float(), self.sampling, generator)
+        self.prompt_logits.copy_(out.logits[:, -1])
+        self.prompt_features.copy_(features[:, -self.block_size:])
+
+    def start_decoding(self, width: int, max_new_tokens: int, generator=None) -> None:
+        """Each row's first token from the prompt's logits, and the state the first round starts from."""
+        block, batch = self.block_size, self.batch
+        token = first_token(self.prompt_logits, self.sampling, generator)
         # the prompt's last block is stored again by the first round: same values, same columns
         self.context_columns.copy_(self.columns[width - block: width].expand(batch, -1))
-        self.features.copy_(features[:, -block:])
+        self.features.copy_(self.prompt_features)
         self.anchor.copy_(token)
         self.start.fill_(width)
         self.output[:, 0] = token

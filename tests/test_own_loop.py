@@ -243,6 +243,48 @@ def test_one_set_of_buffers_serves_every_prompt_length(oracle):
     assert max(runner.core.capacity for runner in drafter._round_cores.values()) >= 2 * core.capacity
 
 
+def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
+    """The GPU path's logic on the CPU: a stand-in for CUDA graphs calls the function it would capture. Prompts are
+    left-padded to their prefill bucket, the bucket's graph replays their encoding (captured once, when the core is
+    built), a prompt beyond the largest bucket encodes eagerly, and every output equals plain greedy."""
+    from dflash2.generation import decode, graphs
+    from dflash2.generation.round_core import PREFILL_BUCKETS
+
+    replayed, captured = [], []
+
+    class Replay:  # what CapturedGraph would do, minus the graph: record the capture, run `fn` on each call
+        def __init__(self, fn, pool=None, warmup=1):
+            self.fn, self.width = fn, getattr(fn, "args", ("round",))[0]
+            captured.append(self.width)
+
+        def __call__(self):
+            replayed.append(self.width)
+            self.fn()
+
+    monkeypatch.setattr(graphs, "CapturedGraph", Replay)
+    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(decode, "uses_graphs", lambda target, drafter: True)
+    target = tiny_target("llama", seed=6)
+    target.config.max_position_embeddings = 8192
+    drafter = tiny_drafter(target, block_size=4).attach(target)
+    for length in (1, 5, 16, 17, 40, 2100):
+        ids = torch.randint(4, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        reference = target.generate(ids, max_new_tokens=9, do_sample=False)
+        oracle["references"] = [reference[0, length:].tolist()]
+        replayed.clear()
+        static = target.generate(ids, max_new_tokens=9, do_sample=False, assistant_model=drafter,
+                                 cache_implementation="static")
+        assert torch.equal(static, reference), length
+        encoded = [w for w in replayed if w != "round"]
+        bucket = next((b for b in PREFILL_BUCKETS if b >= max(length, 4)), None)
+        assert encoded == ([bucket] if bucket else []), (length, encoded)
+        assert "round" in replayed
+    # 2100 + 9 + 4 columns outgrow the first core (2048): a core of twice the capacity replaced it, and captured
+    # the 2048 bucket too, which did not fit the first
+    assert [runner.core.capacity for runner in drafter._round_cores.values()] == [4096]
+    assert captured.count(1024) == 2 and captured.count(2048) == 1
+
+
 # ------------------------------------------------------------------------------------------------ sampling pieces
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(temperature=1.3,
                                                                                                   top_k=9, top_p=0.9)])
