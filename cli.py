@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="timed runs of each side; above 1 the speedup is the median with its range")
     generate.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
     generate.add_argument("--static", action="store_true",
-                          help="static caches on both sides: the fixed-shape DFlash 2 loop (compiled on CUDA)")
+                          help="static caches on both sides: DFlash 2's own loop (rounds and prefills captured as "
+                               "CUDA graphs on a GPU) against compiled static-cache plain decoding")
     generate.set_defaults(run=command_generate)
 
     bench = commands.add_parser("bench", help="compare decoding methods on HumanEval and MT-Bench prompts")
@@ -270,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy; "
                             "default: the method table)")
     bench.add_argument("--static", action="store_true",
-                       help="also time plain generate and DFlash 2 with static caches (compiled on CUDA)")
+                       help="also time compiled static-cache plain decoding and DFlash 2's own loop (on CUDA also "
+                            "with the inductor-fused round, dflash2-fused); every method's first call is reported "
+                            "as its cold start")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
 

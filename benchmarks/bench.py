@@ -2,13 +2,16 @@
 
 Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), HF prompt
 lookup, transformers' built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when
-given) and DFlash 2. Per task: tau (completion tokens / target forwards), tokens/s, speedup over plain, greedy
-agreement with plain, acceptance by block position.
+given) and DFlash 2 (assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused
+round). Per task: tau (completion tokens / target forwards), tokens/s, speedup over plain, greedy agreement with
+plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold start, the wall time of
+its first call in this process (compile or capture included; the first task's longest prompt).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ class MethodResult:
     matched_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafting_rounds: int = 0
+    per_prompt_seconds: list[float] = field(default_factory=list)
 
     def as_dict(self, plain: "MethodResult | None", greedy: bool) -> dict:
         row = {
@@ -38,6 +42,9 @@ class MethodResult:
             "tau": round(self.tokens / max(self.target_forwards, 1), 3),
             "target_forwards": self.target_forwards,
         }
+        if self.per_prompt_seconds:
+            row["per_prompt_median_s"] = round(statistics.median(self.per_prompt_seconds), 4)
+            row["per_prompt_max_s"] = round(max(self.per_prompt_seconds), 4)
         if plain is not None and plain.seconds and self.seconds:
             row["speedup"] = round((self.tokens / self.seconds) / (plain.tokens / plain.seconds), 3)
         if greedy and plain is not None:
@@ -93,6 +100,8 @@ def method_kwargs(name: str, drafters: dict) -> dict:
         return {"assistant_model": drafters["dflash2"], "speculation_type": "dflash"}
     if name == "dflash2-static":
         return {"assistant_model": drafters["dflash2"], "cache_implementation": "static"}
+    if name == "dflash2-fused":
+        return {"assistant_model": drafters["dflash2"], "cache_implementation": "static", "compile": True}
     return {"assistant_model": drafters[name]}
 
 
@@ -116,6 +125,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                                                      "top_k": 0}
     methods = ["plain"] + (["plain-static"] if static else []) + ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
+    methods += ["dflash2-fused"] if static and device.type == "cuda" else []  # inductor on a CPU: minutes, no gain
     results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
                             "top_p": top_p, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
@@ -134,12 +144,16 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
         encoded = [torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device) for prompt in prompts]
         longest = max(encoded, key=lambda ids: ids.shape[1])
         failed = results.setdefault("failed", {})
+        cold = results.setdefault("cold_start", {})
         for name in methods:  # warm-up outside the timed runs: kernels, allocator, and static caches at full size
             if name in failed:
                 continue
             try:
-                target.generate(longest, attention_mask=torch.ones_like(longest), max_new_tokens=max_new_tokens,
-                                pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
+                kwargs = dict(attention_mask=torch.ones_like(longest), max_new_tokens=max_new_tokens,
+                              pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
+                _, seconds, _ = timed_generate(target, longest, kwargs, device)
+                if name not in cold:  # the method's first call in this process
+                    cold[name] = {"first_call_s": round(seconds, 3), "task": task, "prompt_tokens": longest.shape[1]}
             except Exception as error:  # one broken method must not cost the others' numbers; plain must work
                 if name == "plain":
                     raise
@@ -164,6 +178,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 stats = drafter.last_stats if drafter is not None and name != "hf-dflash" else None
                 result.tokens += len(new)
                 result.seconds += seconds
+                result.per_prompt_seconds.append(seconds)
                 # CUDA-graph replays run no module hooks: our loops count their own forwards
                 result.target_forwards += stats.target_forwards if stats is not None else forwards
                 result.prompts += 1
@@ -240,12 +255,20 @@ def batched_row(target, tokenizer, drafter, prompts, batch: int, max_new_tokens:
 
 def markdown_table(results: dict) -> str:
     lines = []
+    cold = results.get("cold_start", {})
+    if cold:
+        lines += ["### cold start (first call of each method in this process, compile or capture included)", "",
+                  "| method | first call s | prompt tokens |", "| --- | --- | --- |"]
+        lines += [f"| {name} | {row['first_call_s']} | {row['prompt_tokens']} |" for name, row in cold.items()]
+        lines.append("")
     for task, methods in results.get("tasks", {}).items():
         lines += [f"### {task}", "",
-                  "| method | tau | tokens/s | speedup | greedy exact match | greedy token agreement |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| method | tau | tokens/s | speedup | per-prompt median s | per-prompt max s | greedy exact match "
+                  "| greedy token agreement |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, row in methods.items():
             lines.append(f"| {name} | {row['tau']:.2f} | {row['tokens_per_s']} | {row.get('speedup', '')} | "
+                         f"{row.get('per_prompt_median_s', '')} | {row.get('per_prompt_max_s', '')} | "
                          f"{row.get('greedy_exact_match', 'n/a')} | {row.get('greedy_token_agreement', 'n/a')} |")
         positions = {n: r["acceptance_by_position"] for n, r in methods.items() if "acceptance_by_position" in r}
         if positions:

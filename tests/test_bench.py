@@ -28,8 +28,16 @@ def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
             assert row["tokens"] > 0 and row["target_forwards"] > 0
         assert rows["plain"]["tau"] == 1.0
         assert len(rows["dflash2"]["acceptance_by_position"]) == drafters["dflash2"].config.block_size - 1
+        for row in rows.values():  # per-prompt spread: the max is one of the prompts, the median between
+            assert 0 < row["per_prompt_median_s"] <= row["per_prompt_max_s"] <= row["seconds"]
+    # cold start: each method's first call, recorded once (the first task's warm-up), never overwritten
+    cold = results["cold_start"]
+    assert set(cold) == set(results["tasks"]["humaneval"])
+    assert all(row["task"] == "humaneval" and row["first_call_s"] > 0 for row in cold.values())
     written = write_reports(results, tmp_path)
     assert {p.name for p in written} == {"results.json", "results.md", "speedup.png", "acceptance.png"}
+    report = (tmp_path / "results.md").read_text()
+    assert "### cold start" in report and "per-prompt max s" in report
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["command"] == "test"
 
 
