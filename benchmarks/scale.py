@@ -587,6 +587,7 @@ def main(argv=None) -> dict:
                 report["parts"][part] = part_lossless(args, budget)
         except Exception as error:  # a part that cannot run at all (too few GPUs, out of memory while building)
             report["parts"][part] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+            print(f"  {part} failed: {report['parts'][part]['error']}", flush=True)
         report["parts"][part]["seconds"] = round(time.perf_counter() - started, 1)
         forget_own_loops_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -596,5 +597,13 @@ def main(argv=None) -> dict:
     return report
 
 
+def failed_parts(report: dict) -> list[str]:
+    """Parts that ended in an error, or whose lossless cases were not all identical."""
+    return [name for name, data in report["parts"].items()
+            if "error" in data or data.get("all_identical") is False]
+
+
 if __name__ == "__main__":
-    main()
+    failed = failed_parts(main())
+    if failed:
+        raise SystemExit(f"failed parts: {', '.join(failed)} (see the report)")

@@ -19,9 +19,12 @@ from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
-# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two, so most requests share one
-# captured graph; on a CPU every column costs attention time, so they fit the request (in steps of 256).
+# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, then in steps of
+# 8192, so most requests share one captured graph and a long prompt does not pay for up to twice the columns it needs
+# (a round attends over every column); on a CPU every column costs attention time, so they fit the request (steps
+# of 256).
 MIN_CAPACITY = {"cuda": 2048, "cpu": 256}
+CUDA_CAPACITY_STEP = 8192
 
 
 def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
@@ -112,13 +115,20 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode)
     runner = cores.get(key)
     if runner is None or runner.core.capacity < needed:
-        if graphs:
-            capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
-        else:
-            capacity = -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
+        capacity = capacity_for(needed, graphs)
         core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
         runner = cores[key] = RoundRunner(core, mode, capture=graphs)
     return runner
+
+
+def capacity_for(needed: int, graphs: bool) -> int:
+    """Buffer columns for a request needing `needed` (see MIN_CAPACITY)."""
+    if not graphs:
+        return -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
+    capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
+    if capacity > CUDA_CAPACITY_STEP:
+        capacity = -(-needed // CUDA_CAPACITY_STEP) * CUDA_CAPACITY_STEP
+    return capacity
 
 
 def uses_graphs(target, drafter) -> bool:

@@ -285,6 +285,16 @@ def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
     assert captured.count(1024) == 2 and captured.count(2048) == 1
 
 
+def test_buffer_capacities_are_shared_when_short_and_tight_when_long():
+    from dflash2.generation.decode import capacity_for
+
+    # graphs (CUDA): 2048 columns at least, powers of two up to 8192, then steps of 8192
+    assert [capacity_for(n, True) for n in (1, 2048, 2049, 5000, 8192, 8193, 32816)] == [
+        2048, 2048, 4096, 8192, 8192, 16384, 40960]
+    # CPU: the request, rounded up to 256
+    assert [capacity_for(n, False) for n in (1, 256, 257, 32816)] == [256, 256, 512, 33024]
+
+
 # ------------------------------------------------------------------------------------------------ sampling pieces
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(temperature=1.3,
                                                                                                   top_k=9, top_p=0.9)])
