@@ -53,6 +53,8 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
     core = runner.core
     runner.prefill(input_ids, attention_mask, max_new_tokens, generator)
+    if getattr(runner, "fusion", None) is not None:
+        runner.fusion.poll(runner)  # switches to the fused round once its package is built
     if bucket > batch:
         core.done[batch:] = True
     if streamer is not None:
@@ -111,13 +113,20 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     graphs = uses_graphs(target, drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    mode = "compile" if compile else ("graph" if graphs else "eager")
-    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode)
+    if compile not in (None, False, True, "background"):
+        raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "
+                         "it ahead of time in a child process while decoding unfused), or False.")
+    mode = "compile" if compile is True else ("graph" if graphs else "eager")
+    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background")
     runner = cores.get(key)
     if runner is None or runner.core.capacity < needed:
         capacity = capacity_for(needed, graphs)
         core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
         runner = cores[key] = RoundRunner(core, mode, capture=graphs)
+        if compile == "background":
+            from .fusion import BackgroundFusion
+
+            runner.fusion = BackgroundFusion(runner)
     return runner
 
 

@@ -90,6 +90,13 @@ class RoundRunner:
     def __call__(self) -> None:
         self._step()
 
+    def use_fused(self, fused) -> None:
+        """From now on run `fused` (the same round, compiled ahead of time over the core's own tensors): captured
+        when this runner captures, else called."""
+        captured = isinstance(self._step, CapturedGraph) or bool(self.prefill_graphs)
+        self._step = CapturedGraph(fused) if captured else fused
+        self.kind = "graph (fused ahead of time)" if captured else "fused ahead of time"
+
     def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
         """`core.prefill`, with the prompt's encoding replayed from its bucket's graph when there is one."""
         width = self.core.prefill_width(input_ids.shape[1])

@@ -1,0 +1,279 @@
+"""Fused rounds without waiting (`compile="background"`): the round compiled ahead of time in a child process.
+
+The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
+CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
+dtypes and code matter), exports its round (`torch.export`) and compiles it with inductor ahead of time
+(AOTInductor) into a package on disk. A later call that finds the package loads it with the caller's own weights and
+buffers (`load_constants(..., user_managed=True)`: the package holds no weights), checks one round against the eager
+round from the same state, and from then on runs it (captured as a CUDA graph on a GPU). A second process with the
+same shapes finds the package and runs fused rounds from its first call.
+
+Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn.Module.__call__` process-wide while
+it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
+compile takes the interpreter for tens of seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .round_core import RoundCore
+
+PACKAGE_FORMAT = 1  # bump when what a package holds changes
+
+
+class RoundProgram(torch.nn.Module):
+    """The round of a `RoundCore` as a module: target and drafter are its submodules (their weights its constants),
+    and every tensor of the core and of its caches is an input that the round mutates in place. (As buffers, the
+    state would count as constants, which the compiler may fold with the values it saw.)"""
+
+    def __init__(self, core: RoundCore):
+        super().__init__()
+        self._core = [core]  # in a list: not a submodule
+        self.target, self.drafter = core.target, core.drafter
+        self._state = sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
+        self._caches = (core.target_cache, core.draft_cache)
+        if any(k is None for cache in self._caches for k in cache.keys):
+            raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
+
+    def inputs(self) -> tuple:
+        """The core's tensors in the order `forward` takes them: its state, then each cache's keys and values."""
+        core = self._core[0]
+        return (*(getattr(core, name) for name in self._state),
+                *(t for cache in self._caches for t in (*cache.keys, *cache.values)))
+
+    def bind(self, tensors) -> None:
+        """Point the core at `tensors` (under tracing: the traced stand-ins of its own)."""
+        core, tensors = self._core[0], list(tensors)
+        for name in self._state:
+            setattr(core, name, tensors.pop(0))
+        for cache in self._caches:
+            n = len(cache.keys)
+            cache.keys, cache.values, tensors = tensors[:n], tensors[n: 2 * n], tensors[2 * n:]
+
+    def forward(self, *tensors) -> torch.Tensor:
+        self.bind(tensors)
+        RoundCore.round.__wrapped__(self._core[0])  # the round without its no_grad decorator (export runs under one)
+        return self._core[0].output_length + 0
+
+    def constants(self) -> dict:
+        """Name -> tensor of every weight and buffer of target and drafter (tied weights under each name)."""
+        return {**dict(self.named_parameters(remove_duplicate=False)), **dict(self.named_buffers(remove_duplicate=False))}
+
+
+# ------------------------------------------------------------------------------------------------ the package
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash2")
+    return Path(root) / "fused-rounds"
+
+
+def spec_of(core: RoundCore) -> dict:
+    """What the child needs to build the same core (and what the package's key is made of)."""
+    target, drafter = core.target, core.drafter
+    return {
+        "format": PACKAGE_FORMAT,
+        "target_class": f"{type(target).__module__}:{type(target).__qualname__}",
+        "target_config": target.config,
+        "attn_implementation": getattr(target.config, "_attn_implementation", None),
+        "drafter_class": f"{type(drafter).__module__}:{type(drafter).__qualname__}",
+        "drafter_config": drafter.config,
+        "dtype": {"target": str(target.dtype), "drafter": str(drafter.dtype)},
+        "device": str(core.device),
+        "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling,
+        "eos": core.eos.tolist(),
+        "fusion_module": __name__,
+        "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__,
+                                type(core.sampling).__module__, type(drafter).__mro__[1].__module__}),
+    }
+
+
+def package_key(spec: dict) -> str:
+    """Changes with anything that changes the compiled round: shapes, configs, dtypes, device, code, versions."""
+    import transformers
+
+    device = torch.device(spec["device"])
+    hardware = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if (
+        device.type == "cuda") else "cpu"
+    code = hashlib.sha256()  # the source of every module the round runs through, ours and the drafter's
+    modules = {RoundCore.__module__, __name__, *spec["code_modules"]}
+    for name in sorted(modules):
+        source = inspect.getsourcefile(sys.modules[name])
+        code.update(name.encode() + Path(source).read_bytes())
+    described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config", "sampling")},
+                           sort_keys=True, default=str)
+    parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
+             repr(spec["sampling"]), str(hardware), torch.__version__, transformers.__version__, code.hexdigest()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def build_package(spec: dict, path: Path) -> None:
+    """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
+    exported and compiled without weights in the package; written atomically to `path`."""
+    import importlib
+
+    from .sampling import Sampling  # noqa: F401  (unpickling the spec needs it importable)
+
+    def load_class(qualified: str):
+        module, name = qualified.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    dtypes = {side: getattr(torch, name.split(".")[-1]) for side, name in spec["dtype"].items()}
+    device = torch.device(spec["device"])
+    target_config = spec["target_config"]
+    if spec["attn_implementation"]:
+        target_config._attn_implementation = spec["attn_implementation"]
+    with torch.device("meta"):
+        target = load_class(spec["target_class"])._from_config(target_config, dtype=dtypes["target"])
+        drafter = load_class(spec["drafter_class"])._from_config(spec["drafter_config"], dtype=dtypes["drafter"])
+    target, drafter = target.to_empty(device=device).eval(), drafter.to_empty(device=device).eval()
+    with torch.no_grad():  # values are irrelevant to the compiled code; only keep them finite
+        for tensor in list(target.parameters()) + list(target.buffers()) + list(drafter.parameters()):
+            tensor.zero_()
+    drafter.attach(target)
+    core = RoundCore(target, drafter, spec["batch"], spec["capacity"], spec["sampling"], spec["eos"])
+    ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
+    core.prefill(ids, torch.ones_like(ids), 1)
+    program = RoundProgram(core)
+    real = program.inputs()
+    with torch.no_grad():
+        exported = torch.export.export(program, real, strict=False)
+    program.bind(real)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
+                                           "aot_inductor.use_runtime_constant_folding": True}):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+        os.replace(partial, path)
+
+
+class FusionJob:
+    """The child process building one package; `ready()` polls it without waiting."""
+
+    def __init__(self, spec: dict, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, spec_file = tempfile.mkstemp(suffix=".spec", dir=path.parent)
+        with os.fdopen(handle, "wb") as f:
+            pickle.dump(spec, f)
+        self.log = path.with_suffix(".log")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", f"import importlib, sys; importlib.import_module({spec['fusion_module']!r})"
+                 f".child_main(sys.argv[1], sys.argv[2])", spec_file, str(path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def ready(self) -> bool:
+        return self.process.poll() is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.process.wait(timeout)
+
+    def failure(self) -> str | None:
+        if not self.ready() or (self.process.returncode == 0 and self.path.exists()):
+            return None
+        tail = self.log.read_text().strip().splitlines()[-3:] if self.log.exists() else []
+        return f"exit {self.process.returncode}: " + " | ".join(tail)
+
+
+def child_main(spec_file: str, path: str) -> None:
+    try:
+        with open(spec_file, "rb") as f:
+            spec = pickle.load(f)
+        build_package(spec, Path(path))
+    finally:
+        Path(spec_file).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------ in the caller
+class BackgroundFusion:
+    """One runner's fused round: a package on disk already, or a child process building it. `poll` (after a prefill,
+    so the caches exist and the check runs on a real prompt) switches the runner over once the package is there."""
+
+    def __init__(self, runner):
+        self.path = cache_dir() / f"{package_key(spec_of(runner.core))}.pt2"
+        self.job = None if self.path.exists() else FusionJob(spec_of(runner.core), self.path)
+        self.state = "building" if self.job is not None else "ready"
+
+    def poll(self, runner) -> None:
+        if self.state not in ("building", "ready") or (self.job is not None and not self.job.ready()):
+            return
+        failure = self.job.failure() if self.job is not None else None
+        if failure is not None:
+            self.state = "failed"
+            warnings.warn(f"DFlash 2: building the fused round failed ({failure}); decoding with the unfused round. "
+                          f"Log: {self.job.log}", stacklevel=4)
+            return
+        fused = load_fused_round(runner.core, self.path)
+        self.state = "used" if fused is not None else "failed"
+        if fused is not None:
+            with preserved(runner.core):  # a capture's warm-up runs advance the state
+                runner.use_fused(fused)
+
+
+def load_fused_round(core: RoundCore, path: Path):
+    """The package's round bound to `core`'s own weights and buffers, or None (with a warning) when it cannot be
+    used: constants it needs that the core does not hold, or a first round that differs from the eager round."""
+    program = RoundProgram(core)
+    package = torch._inductor.aoti_load_package(str(path))
+    ours = program.constants()
+    names = [name for name in package.get_constant_fqns() if not name.startswith("_FOLDED_CONST_")]  # computed at load
+    missing = [name for name in names if name not in ours]
+    if missing:
+        warnings.warn(f"DFlash 2: the fused round in {path} needs constants the round core does not hold "
+                      f"({missing[:4]}); decoding with the unfused round.", stacklevel=3)
+        return None
+    package.load_constants({name: ours[name] for name in names}, check_full_update=True, user_managed=True)
+    inputs = program.inputs()
+
+    def fused() -> None:
+        package(*inputs)
+
+    if not same_round(core, program, fused):
+        warnings.warn(f"DFlash 2: the fused round in {path} disagreed with the eager round on a check; decoding with "
+                      "the unfused round.", stacklevel=3)
+        return None
+    return fused
+
+
+class preserved:
+    """Every tensor of a core (state and caches) as it was on entry, again on exit."""
+
+    def __init__(self, core: RoundCore):
+        self.buffers = dict(enumerate(RoundProgram(core).inputs()))
+
+    def __enter__(self):
+        self.before = {name: tensor.clone() for name, tensor in self.buffers.items()}
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for name, tensor in self.buffers.items():
+                tensor.copy_(self.before[name])
+
+
+@torch.no_grad()
+def same_round(core: RoundCore, program: RoundProgram, fused) -> bool:
+    """One round from the core's current state, eager and fused: integer state equal, floating state close."""
+    buffers = dict(enumerate(program.inputs()))
+    with preserved(core):
+        core.round()
+        eager = {name: tensor.clone() for name, tensor in buffers.items()}
+    with preserved(core):
+        fused()
+        return all(torch.equal(buffers[name], eager[name]) if not eager[name].is_floating_point() else
+                   torch.allclose(buffers[name].float(), eager[name].float(), rtol=2e-2, atol=2e-2)
+                   for name in buffers)

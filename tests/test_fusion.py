@@ -1,0 +1,103 @@
+"""compile="background": the round exported and compiled ahead of time (AOTInductor) in a child process, loaded into
+the caller with the caller's own weights and buffers, checked, then used; a second process finds the package.
+
+AOTInductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from dflash2.generation import fusion
+from dflash2.generation.round_core import RoundCore
+from dflash2.generation.sampling import Sampling
+from helpers import VOCAB, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="AOTInductor on a CPU needs a C++ compiler")
+
+
+def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path):
+    """Built from the configs alone (uninitialised weights), the package runs rounds over our weights and buffers:
+    five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats."""
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    sampling = Sampling.from_generation_config(GenerationConfig(do_sample=False))
+    core = RoundCore(target, drafter, 1, 64, sampling, (2,))
+    ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    core.prefill(ids, torch.ones_like(ids), 40)
+    path = tmp_path / "round.pt2"
+    fusion.build_package(fusion.spec_of(core), path)
+    assert path.stat().st_size < 2 ** 20 * 8  # no weights inside
+    fused = fusion.load_fused_round(core, path)
+    assert fused is not None
+    tensors = dict(enumerate(fusion.RoundProgram(core).inputs()))
+    with fusion.preserved(core):
+        for _ in range(5):
+            core.round()
+        eager = {name: t.clone() for name, t in tensors.items()}
+    for _ in range(5):
+        fused()
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            assert torch.allclose(tensor, eager[name], atol=1e-4, rtol=1e-4), name
+        else:
+            assert torch.equal(tensor, eager[name]), name
+    assert int(core.rounds[0]) >= 5 and int(core.output_length[0]) > 5
+
+
+def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), 20)
+    path = tmp_path / "round.pt2"
+    fusion.build_package(fusion.spec_of(core), path)
+    real_round = RoundCore.round  # the eager round now differs from what was compiled: the check must notice
+    monkeypatch.setattr(RoundCore, "round", lambda self: (real_round(self), self.output_length.add_(1)))
+    with pytest.warns(UserWarning, match="disagreed with the eager round"):
+        assert fusion.load_fused_round(core, path) is None
+
+
+def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, monkeypatch):
+    """First call: unfused rounds at once, a child builds the package. Once it is there the next call checks and
+    switches to it; outputs equal plain greedy throughout. A fresh set of cores (a second process) finds the package
+    and uses it from its first call, with no child."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tiny_target("qwen3", seed=4)
+    drafter = tiny_drafter(target, seed=5, block_size=4).attach(target)
+    prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14, 6)]
+
+    def both(ids):
+        reference = target.generate(ids, max_new_tokens=24, do_sample=False)
+        ours = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                               cache_implementation="static", compile="background")
+        assert torch.equal(ours, reference)
+        (runner,) = drafter._round_cores.values()
+        return runner
+
+    runner = both(prompts[0])
+    assert runner.kind == "eager" and runner.fusion.state == "building"
+    runner.fusion.job.wait(timeout=600)
+    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-2000:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        runner = both(prompts[1])
+    assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
+    both(prompts[2])
+
+    drafter.__dict__.pop("_round_cores")  # as in a new process: no cores, the package on disk
+    runner = both(prompts[3])
+    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
+    assert len(list(tmp_path.rglob("*.pt2"))) == 1
+
+
+def test_compile_takes_only_the_documented_values():
+    target = tiny_target()
+    drafter = tiny_drafter(target).attach(target)
+    with pytest.raises(ValueError, match="compile='later'"):
+        target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter,
+                        cache_implementation="static", compile="later")
