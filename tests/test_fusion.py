@@ -19,12 +19,15 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="AOTInductor on a CPU needs a C++ compiler")
 
 
-def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path):
+@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
     """Built from the configs alone (uninitialised weights), the package runs rounds over our weights and buffers:
-    five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats."""
+    five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats
+    (sampled rounds: the same noise drawn into the core's buffers before each)."""
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    sampling = Sampling.from_generation_config(GenerationConfig(do_sample=False))
+    sampling = Sampling.from_generation_config(GenerationConfig(**settings))
     core = RoundCore(target, drafter, 1, 64, sampling, (2,))
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)
@@ -35,10 +38,12 @@ def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path):
     assert fused is not None
     tensors = dict(enumerate(fusion.RoundProgram(core).inputs()))
     with fusion.preserved(core):
-        for _ in range(5):
+        for round_index in range(5):
+            core.draw_noise(torch.Generator().manual_seed(round_index)) if sampling.do_sample else None
             core.round()
         eager = {name: t.clone() for name, t in tensors.items()}
-    for _ in range(5):
+    for round_index in range(5):
+        core.draw_noise(torch.Generator().manual_seed(round_index)) if sampling.do_sample else None
         fused()
     for name, tensor in tensors.items():
         if tensor.is_floating_point():
