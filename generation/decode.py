@@ -113,6 +113,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     graphs = uses_graphs(target, drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
+    # compile="background": as without compile, until a package compiled ahead of time replaces it (fusion.py).
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "
                          "it ahead of time in a child process while decoding unfused), or False.")

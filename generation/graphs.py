@@ -3,7 +3,8 @@
 On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By default the graph holds the round's
 eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
 With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
-caches, so later processes compile faster) and that is captured. A replayed graph consults no dynamo guard: a prompt
+caches, so later processes compile faster) and that is captured. With `compile="background"` a package compiled
+ahead of time in a child process replaces the round once it exists (`fusion.py`, `RoundRunner.use_fused`). A replayed graph consults no dynamo guard: a prompt
 of a new length never compiles or captures anything.
 
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
