@@ -71,6 +71,9 @@ def main(argv=None):
     parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
     parser.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
                         "compiled on the first call, captured as a CUDA graph")
+    parser.add_argument("--background-fusion", action="store_true",
+                        help="DFlash 2 with compile='background': unfused at once, the round compiled ahead of time "
+                             "in a child process and switched to when ready (generation/fusion.py)")
     parser.add_argument("--methods", default="dflash2,plain",
                         help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
                              "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
@@ -101,7 +104,8 @@ def main(argv=None):
     common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
-                               **({"compile": True} if args.compile else {}))}
+                               **({"compile": True} if args.compile else {}),
+                               **({"compile": "background"} if args.background_fusion else {}))}
     results = {"settings": {"command": "python -m dflash2.benchmarks.speed " + " ".join(sys.argv[1:] if argv is None else argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,

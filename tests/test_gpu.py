@@ -35,6 +35,33 @@ def test_graph_loop_equals_plain_greedy_on_tiny_targets(compile):
         assert kind == ("graph (fused)" if compile else "graph (eager kernels)")
 
 
+def test_background_fusion_switches_to_the_captured_package(tmp_path, monkeypatch):
+    """compile="background" on the GPU: unfused graph first, the child's package (compiled for CUDA) loaded, checked
+    and captured later; every output equals plain greedy; a fresh set of cores uses the package from its first call."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tiny_target("llama", seed=2).cuda()
+    drafter = tiny_drafter(target, seed=3, block_size=8).cuda().attach(target)
+    prompts = [torch.randint(4, VOCAB, (1, n), device="cuda") for n in (3, 17, 29, 8)]
+
+    def both(ids):
+        reference = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, assistant_model=drafter,
+                              cache_implementation="static", compile="background")
+        assert torch.equal(out, reference)
+        (runner,) = drafter._round_cores.values()
+        return runner
+
+    runner = both(prompts[0])
+    assert runner.kind == "graph (eager kernels)"
+    runner.fusion.job.wait(timeout=500)
+    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+    assert both(prompts[1]).kind == "graph (fused ahead of time)"
+    drafter.__dict__.pop("_round_cores")
+    runner = both(prompts[2])
+    assert runner.fusion.job is None and runner.kind == "graph (fused ahead of time)"
+    both(prompts[3])
+
+
 def test_graph_loop_equals_plain_greedy_on_the_default_target():
     """The real target in fp32, 10 HumanEval and 10 MT-Bench prompts past the first ones: the graph loop (batch 1 and
     batch 4) equals plain greedy token for token."""
