@@ -268,6 +268,18 @@ FRESH_PROCESS = textwrap.dedent("""
     out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
     assert torch.equal(out, reference), (out, reference)
     assert drafter.last_stats.target_forwards > 0
+    # (a') compile="background": the child that compiles the round imports these flat remote-code files too
+    import os, tempfile
+    os.environ["DFLASH2_CACHE"] = tempfile.mkdtemp()
+    for attempt in range(2):
+        out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter,
+                              cache_implementation="static", compile="background")
+        assert torch.equal(out, reference), (attempt, out, reference)
+        (runner,) = drafter._round_cores.values()
+        if attempt == 0:
+            runner.fusion.job.wait(timeout=600)
+            assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+    assert runner.kind == "fused ahead of time", runner.kind
     drafter.detach(target)
     # (b) custom_generate
     out = target.generate(ids, max_new_tokens=15, do_sample=False, custom_generate=drafter_dir, trust_remote_code=True)
