@@ -215,3 +215,15 @@ def load_pair(args, check: bool = True):
     target.to(device).eval()
     drafter.to(device).eval().attach(target)
     return target, tokenizer, drafter
+
+
+def write_report(report: dict, out) -> None:
+    """A benchmark's JSON report at `out` (folders made as needed); nothing when `out` is None."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def command_line(module: str, argv) -> str:
+    """How this benchmark was called, for its report."""
+    return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, load_pair
+    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
     from dflash2.benchmarks.profile_call import synchronize
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -57,8 +55,7 @@ def main(argv=None):
     _, switch = call(encoded[0], compile="background")
     unfused = [call(ids) for ids in encoded]
     fused = [call(ids, compile="background") for ids in encoded]
-    report = {"command": "python -m dflash2.benchmarks.fusion_check "
-                         + " ".join(sys.argv[1:] if argv is None else argv),
+    report = {"command": command_line("dflash2.benchmarks.fusion_check", argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "dtype": str(drafter.dtype), "torch": torch.__version__,
               "child_build_s": round(build, 1), "switch_call_s": round(switch, 3), "kind": runner.kind,
@@ -67,9 +64,7 @@ def main(argv=None):
               "speedup": round(sum(s for _, s in unfused) / sum(s for _, s in fused), 3),
               "identical_outputs": sum(a == b for (a, _), (b, _) in zip(unfused, fused))}
     print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

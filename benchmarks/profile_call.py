@@ -14,8 +14,6 @@ import argparse
 import functools
 import json
 import time
-from pathlib import Path
-
 import torch
 
 
@@ -25,7 +23,7 @@ def synchronize(device) -> None:
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, load_pair
+    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
     from dflash2.generation import decode
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -101,12 +99,10 @@ def main(argv=None):
     table_device = profiler.key_averages().table(
         sort_by="cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=25)
     print(table_cpu, table_device, sep="\n")
-    report = {"command": "python -m dflash2.benchmarks.profile_call " + " ".join(argv or []), "round_kind": runner.kind,
+    report = {"command": command_line("dflash2.benchmarks.profile_call", argv), "round_kind": runner.kind,
               "replay_ms": round(replay * 1e3, 3), "capacity": core.capacity, "calls": rows,
               "profile_cpu_top": table_cpu, "profile_device_top": table_device}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def summary(times, tokens):
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, load_pair
+    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +105,7 @@ def main(argv=None):
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
                                **({"compile": True} if args.compile else {}),
                                **({"compile": "background"} if args.background_fusion else {}))}
-    results = {"settings": {"command": "python -m dflash2.benchmarks.speed " + " ".join(sys.argv[1:] if argv is None else argv),
+    results = {"settings": {"command": command_line("dflash2.benchmarks.speed", argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
                             "max_new_tokens": args.max_new_tokens, "prompts": {k: len(v) for k, v in prompts.items()},
@@ -333,9 +332,9 @@ def merge(ours: dict, plain: dict) -> dict:
 
 
 def save(results, out):
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+    from dflash2.benchmarks.common import write_report
+
+    write_report(results, out)
 
 
 def finish(results, out):

@@ -123,8 +123,6 @@ def build_package(spec: dict, path: Path) -> None:
     exported and compiled without weights in the package; written atomically to `path`."""
     import importlib
 
-    from .sampling import Sampling  # noqa: F401  (unpickling the spec needs it importable)
-
     def load_class(qualified: str):
         module, name = qualified.split(":")
         return getattr(importlib.import_module(module), name)
