@@ -100,6 +100,30 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     assert len(list(tmp_path.rglob("*.pt2"))) == 1
 
 
+def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
+    """Left-padded rows of different lengths: the package of the batch bucket's round takes over, and each row still
+    equals plain greedy of that row alone."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tiny_target("llama", seed=7)
+    drafter = tiny_drafter(target, seed=8, block_size=4).attach(target)
+    rows = [[5, 9, 14], [7, 8, 9, 10, 11, 12, 13], [21, 22, 23, 24, 25]]
+    alone = [target.generate(torch.tensor([r]), max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(r):]
+             for r in rows]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    for attempt in range(2):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, assistant_model=drafter, compile="background")
+        for row, reference in enumerate(alone):
+            assert torch.equal(out[row, width:], reference), (attempt, row)
+        (runner,) = drafter._round_cores.values()
+        if attempt == 0:
+            assert runner.core.batch == 4  # the bucket: rows beyond the batch are empty
+            runner.fusion.job.wait(timeout=600)
+    assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
+
+
 def test_compile_takes_only_the_documented_values():
     target = tiny_target()
     drafter = tiny_drafter(target).attach(target)
