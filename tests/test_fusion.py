@@ -124,6 +124,24 @@ def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
 
 
+def test_background_fusion_with_a_sliding_window_drafter(tmp_path, monkeypatch):
+    """The published DFlash 2 drafters mix sliding-window and full layers: their round compiles ahead of time too."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tiny_target("qwen3", seed=9)
+    drafter = tiny_drafter(target, seed=10, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=5, block_size=4).attach(target)
+    prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 4)]
+    for attempt, ids in enumerate(prompts):
+        reference = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+        out = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=drafter,
+                              cache_implementation="static", compile="background")
+        assert torch.equal(out, reference), attempt
+        (runner,) = drafter._round_cores.values()
+        if attempt == 0:
+            runner.fusion.job.wait(timeout=600)
+    assert runner.kind == "fused ahead of time"
+
+
 def test_compile_takes_only_the_documented_values():
     target = tiny_target()
     drafter = tiny_drafter(target).attach(target)
