@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .fusion import BackgroundFusion
 from .graphs import RoundRunner
 from .round_core import RoundCore, prefill_width
 from .sampling import Sampling, eos_token_ids
@@ -28,7 +29,7 @@ CUDA_CAPACITY_STEP = 8192
 
 
 def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
-                      compile: bool | None = None, generator: torch.Generator | None = None):
+                      compile: bool | str | None = None, generator: torch.Generator | None = None):
     """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate."""
     batch, length = input_ids.shape
     if attention_mask is None:
@@ -46,14 +47,15 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
 
     bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
     block = drafter.config.block_size
-    needed = prefill_width(length, block, bucketed=uses_graphs(target, drafter)) + max_new_tokens + block
-    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile)
+    graphs = uses_graphs(target, drafter)
+    needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + block
+    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile, graphs)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
     core = runner.core
     runner.prefill(input_ids, attention_mask, max_new_tokens, generator)
-    if getattr(runner, "fusion", None) is not None:
+    if runner.fusion is not None:
         runner.fusion.poll(runner)  # switches to the fused round once its package is built
     if bucket > batch:
         core.done[batch:] = True
@@ -103,14 +105,15 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
 
 
-def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | None):
+def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | str | None,
+                     graphs: bool):
     """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode).
+    `graphs`: rounds and prefills are captured (`uses_graphs`).
 
     Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
     captured graphs; a longer one builds a core of twice the capacity.
     """
     cores = drafter.__dict__.setdefault("_round_cores", {})
-    graphs = uses_graphs(target, drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
     # compile="background": as without compile, until a package compiled ahead of time replaces it (fusion.py).
@@ -125,8 +128,6 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
         core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
         runner = cores[key] = RoundRunner(core, mode, capture=graphs)
         if compile == "background":
-            from .fusion import BackgroundFusion
-
             runner.fusion = BackgroundFusion(runner)
     return runner
 

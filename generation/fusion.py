@@ -202,8 +202,9 @@ class BackgroundFusion:
     so the caches exist and the check runs on a real prompt) switches the runner over once the package is there."""
 
     def __init__(self, runner):
-        self.path = cache_dir() / f"{package_key(spec_of(runner.core))}.pt2"
-        self.job = None if self.path.exists() else FusionJob(spec_of(runner.core), self.path)
+        spec = spec_of(runner.core)
+        self.path = cache_dir() / f"{package_key(spec)}.pt2"
+        self.job = None if self.path.exists() else FusionJob(spec, self.path)
         self.state = "building" if self.job is not None else "ready"
 
     def poll(self, runner) -> None:

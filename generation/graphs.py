@@ -72,8 +72,9 @@ class RoundRunner:
 
     def __init__(self, core: RoundCore, mode: str, capture: bool = True):
         self.core, self.mode = core, mode
-        captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds target and drafter
+        self.captured = captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds both
         self.prefill_graphs = self._capture_prefills(core) if captured else {}
+        self.fusion = None  # a BackgroundFusion when compile="background" (set by decode.round_runner_for)
         if mode == "eager":
             self._step, self.kind = core.round, "eager"
         elif mode == "graph":
@@ -94,9 +95,8 @@ class RoundRunner:
     def use_fused(self, fused) -> None:
         """From now on run `fused` (the same round, compiled ahead of time over the core's own tensors): captured
         when this runner captures, else called."""
-        captured = isinstance(self._step, CapturedGraph) or bool(self.prefill_graphs)
-        self._step = CapturedGraph(fused) if captured else fused
-        self.kind = "graph (fused ahead of time)" if captured else "fused ahead of time"
+        self._step = CapturedGraph(fused) if self.captured else fused
+        self.kind = "graph (fused ahead of time)" if self.captured else "fused ahead of time"
 
     def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
         """`core.prefill`, with the prompt's encoding replayed from its bucket's graph when there is one."""
