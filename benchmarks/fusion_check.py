@@ -21,7 +21,7 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
-    from dflash2.benchmarks.profile_call import synchronize
+    from dflash2.benchmarks.bench import synchronize
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

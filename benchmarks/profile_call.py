@@ -17,12 +17,8 @@ import time
 import torch
 
 
-def synchronize(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def main(argv=None):
+    from dflash2.benchmarks.bench import synchronize
     from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
     from dflash2.generation import decode
     from dflash2.tasks import chat_prompt_ids, task_prompts
