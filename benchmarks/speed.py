@@ -145,49 +145,31 @@ def main(argv=None):
     results["first_pass"] = first_pass
     print("cold start:", json.dumps(results["cold_start"]), flush=True)
     save(results, args.out)
-    if "dflash2" not in selected:
-        for task, items in encoded.items() if "steady" in sections else []:  # steady state of plain decoding alone
-            runs = [call("plain", ids) for ids in items]
-            entry = {"plain": summary([r[1] for r in runs], sum(r[2] for r in runs))}
-            entry["plain"]["outputs"] = [new_ids(r[0], ids) for r, ids in zip(runs, items)]
-            results.setdefault("steady", {})[task] = entry
-            print(task, json.dumps({k: v for k, v in entry["plain"].items() if k != "outputs"}), flush=True)
-        save(results, args.out)
-        if "sweep" in sections and args.sweep:
-            results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
-            save(results, args.out)
-        if "batches" in sections and args.batch_sizes:
-            results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
-        return finish(results, args.out)
-    call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
-    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+    runner = None
+    if "dflash2" in selected:
+        call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
+        runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+        results["round_kind"] = runner.kind
     if args.quick:
         return finish(results, args.out)
 
-    # ---- steady state
-    results["round_kind"] = runner.kind
+    # ---- steady state: every selected method on every prompt (DFlash 2 first on each)
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
-        rows = {"plain": [], "dflash2": []}
-        outputs = {"plain": [], "dflash2": []}
+        rows = {method: [] for method in selected}  # (seconds, tokens, new token ids) per prompt
         forwards, agree = 0, 0
         for ids in items:
-            out, s, tokens, stats = call("dflash2", ids)
-            rows["dflash2"].append((s, tokens))
-            outputs["dflash2"].append(new_ids(out, ids))
-            forwards += stats.target_forwards
-            if "plain" in selected:
-                plain_out, plain_s, plain_tokens, _ = call("plain", ids)
-                rows["plain"].append((plain_s, plain_tokens))
-                outputs["plain"].append(new_ids(plain_out, ids))
-                agree += int(torch.equal(out, plain_out))
-        entry = {}
-        for method, pairs in rows.items():
-            if pairs:
-                entry[method] = summary([p[0] for p in pairs], sum(p[1] for p in pairs))
-                entry[method]["outputs"] = outputs[method]
-        entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
-        if "plain" in selected:
+            outs = {}
+            for method in selected:
+                outs[method], s, tokens, stats = call(method, ids)
+                rows[method].append((s, tokens, new_ids(outs[method], ids)))
+                forwards += stats.target_forwards if stats is not None else 0
+            agree += int(len(outs) == 2 and torch.equal(outs["dflash2"], outs["plain"]))
+        entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs]}
+                 for method, runs in rows.items()}
+        if "dflash2" in entry:
+            entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
+        if len(entry) == 2:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         steady[task] = entry
@@ -197,7 +179,7 @@ def main(argv=None):
     save(results, args.out)
 
     # ---- the round's device time against its wall time (batch 1, one prompt, EOS ignored)
-    if "round" in sections:
+    if "round" in sections and runner is not None:
         measure_round(results, call, encoded, drafter, runner, device)
         save(results, args.out)
     if "sweep" in sections and args.sweep:
