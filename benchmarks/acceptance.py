@@ -1,9 +1,12 @@
-"""τ of a drafter over a whole task (greedy, no timing): the acceptance length alone, on as many prompts as asked.
+"""τ of a drafter over whole tasks (no timing): the acceptance length alone, on as many prompts as asked.
 
     python -m dflash2.benchmarks.acceptance --task humaneval [--num-prompts N] [--max-new-tokens 128] [--device cpu]
+    python -m dflash2.benchmarks.acceptance --task humaneval,mtbench --skip 100,40 --num-prompts 10 \
+        --max-new-tokens 256 --temperature 1      # issue #13's prompts, sampled (top-p with --top-p)
 
-Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints
-τ = completion tokens / target forwards (prefill included) over all prompts, plus its spread over prompts.
+Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints,
+per task, τ = completion tokens / target forwards (prefill included) over all its prompts, plus its spread over
+prompts. Greedy at --temperature 0 (the default); sampled above it (seeded by --seed).
 """
 
 from __future__ import annotations
@@ -16,41 +19,54 @@ import torch
 
 
 def main(argv=None):
-    from dflash2.tasks import TASKS, task_prompts
-    from dflash2.benchmarks.common import add_model_arguments, load_pair
-    from dflash2.tasks import chat_prompt_ids
+    from dflash2.benchmarks.common import add_model_arguments, load_pair, write_report
+    from dflash2.tasks import TASKS, chat_prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--task", choices=TASKS, default="humaneval")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: every prompt of the task")
+    parser.add_argument("--task", default="humaneval", help=f"one task or a comma-separated list of {TASKS}")
+    parser.add_argument("--skip", default="0", help="prompts left out first: one number, or one per task (comma list)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="per task; default: every prompt of the task")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature above 0)")
     parser.add_argument("--out", default=None, help="write per-prompt results as JSON here")
     args = parser.parse_args(argv)
+    tasks = args.task.split(",")
+    skips = [int(s) for s in args.skip.split(",")]
+    if any(task not in TASKS for task in tasks) or len(skips) not in (1, len(tasks)):
+        parser.error(f"--task takes names from {TASKS}, and --skip one number or one per task; got --task "
+                     f"{args.task} --skip {args.skip}")
+    skips = skips * len(tasks) if len(skips) == 1 else skips
     target, tokenizer, drafter = load_pair(args)
-    tokens = forwards = 0
-    per_prompt = []
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else (
+        dict(do_sample=False))
+    torch.manual_seed(args.seed)
     from tqdm.auto import tqdm
 
-    for prompt in tqdm(task_prompts(args.task, args.num_prompts), desc=args.task, mininterval=10):
-        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=drafter.device)
-        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
-                        cache_implementation="static", do_sample=False, max_new_tokens=args.max_new_tokens,
-                        pad_token_id=tokenizer.eos_token_id)
-        stats = drafter.last_stats
-        tokens += stats.completion_tokens
-        forwards += stats.target_forwards
-        per_prompt.append({"tokens": stats.completion_tokens, "target_forwards": stats.target_forwards,
-                           "tau": round(stats.acceptance_length, 3)})
-    taus = [row["tau"] for row in per_prompt]
-    report = {"task": args.task, "prompts": len(per_prompt), "max_new_tokens": args.max_new_tokens,
-              "tau": round(tokens / forwards, 3), "tokens": tokens, "target_forwards": forwards,
-              "tau_per_prompt_median": round(statistics.median(taus), 3),
-              "tau_per_prompt_min": round(min(taus), 3), "tau_per_prompt_max": round(max(taus), 3),
-              "device": str(drafter.device), "dtype": str(target.dtype)}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump({**report, "per_prompt": per_prompt}, handle, indent=1)
+    report = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "top_p": args.top_p if args.temperature > 0 else None, "device": str(drafter.device),
+              "dtype": str(target.dtype), "tasks": {}}
+    for task, skip in zip(tasks, skips):
+        tokens = forwards = 0
+        per_prompt = []
+        for prompt in tqdm(task_prompts(task, args.num_prompts, skip=skip), desc=task, mininterval=10):
+            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=drafter.device)
+            target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                            cache_implementation="static", max_new_tokens=args.max_new_tokens,
+                            pad_token_id=tokenizer.eos_token_id, **sampling)
+            stats = drafter.last_stats
+            tokens += stats.completion_tokens
+            forwards += stats.target_forwards
+            per_prompt.append({"tokens": stats.completion_tokens, "target_forwards": stats.target_forwards,
+                               "tau": round(stats.acceptance_length, 3)})
+        taus = [row["tau"] for row in per_prompt]
+        report["tasks"][task] = {"skip": skip, "prompts": len(per_prompt), "tau": round(tokens / forwards, 3),
+                                 "tokens": tokens, "target_forwards": forwards,
+                                 "tau_per_prompt_median": round(statistics.median(taus), 3),
+                                 "tau_per_prompt_min": round(min(taus), 3), "tau_per_prompt_max": round(max(taus), 3),
+                                 "per_prompt": per_prompt}
+        print(json.dumps({task: {k: v for k, v in report["tasks"][task].items() if k != "per_prompt"}}), flush=True)
+    write_report(report, args.out)
+    return report
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ round (graph of eager kernels on a GPU, eager on a CPU) against the package's ro
 
     python -m dflash2.benchmarks.fusion_check --device cpu --out runs/fusion-check.json
 
-The first call starts the child and the script waits for it (a user's calls would go on unfused meanwhile); the
-next call loads, checks and switches (`switch_call_s`). Then every prompt runs unfused (a core of its own) and fused.
-The package goes to a fresh folder (DFLASH2_CACHE) unless one is set.
+As a user's first minutes go: the first call of the process (`first_call_s`: the core built and captured, the child
+started) and then calls on the prompts in turn while the child builds (`while_building`: their times and what ran),
+until the package exists; the next call loads, checks and switches (`switch_call_s`, and the device memory it added).
+Then every prompt runs unfused (a core of its own) and fused. The package goes to a fresh folder (DFLASH2_CACHE) unless
+one is set.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def main(argv=None):
     device = drafter.device
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
                for p in task_prompts("humaneval", args.num_prompts, skip=args.skip)]
-    common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, eos_token_id=None,
-                  pad_token_id=tokenizer.eos_token_id, cache_implementation="static", assistant_model=drafter)
+    # the tokenizer's EOS, as a user's calls (and speed.py's cold start and steady state) have it: the package built
+    # here is the one a second process's first call finds
+    common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
+                  cache_implementation="static", assistant_model=drafter)
 
     def call(ids, **extra):
         synchronize(device)
@@ -47,21 +51,32 @@ def main(argv=None):
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
 
     started = time.perf_counter()
-    call(encoded[0], compile="background")
+    _, first = call(encoded[0], compile="background")
     runner = next(r for r in drafter._round_cores.values() if getattr(r, "fusion", None) is not None)
-    if runner.fusion.job is not None:
-        runner.fusion.job.wait()
+    building = []  # (seconds, round kind) of each call made while the child builds
+    while runner.fusion.job is not None and not runner.fusion.job.ready():
+        building.append((call(encoded[len(building) % len(encoded)], compile="background")[1], runner.kind))
     build = time.perf_counter() - started
+    memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     _, switch = call(encoded[0], compile="background")
+    memory = torch.cuda.memory_allocated(device) - memory if device.type == "cuda" else None
+    times = sorted(s for s, _ in building)
     unfused = [call(ids) for ids in encoded]
     fused = [call(ids, compile="background") for ids in encoded]
     report = {"command": command_line("dflash2.benchmarks.fusion_check", argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "dtype": str(drafter.dtype), "torch": torch.__version__,
-              "child_build_s": round(build, 1), "switch_call_s": round(switch, 3), "kind": runner.kind,
+              "first_call_s": round(first, 3), "child_build_s": round(build, 1),
+              "while_building": {"calls": len(times), "kinds": sorted({k for _, k in building}),
+                                 "median_s": round(times[len(times) // 2], 4) if times else None,
+                                 "max_s": round(times[-1], 4) if times else None},
+              "switch_call_s": round(switch, 3), "switch_memory_mb": None if memory is None else
+              round(memory / 2 ** 20, 1), "kind": runner.kind,
               "failure": runner.fusion.job.failure() if runner.fusion.job is not None else None,
               "unfused_s": [round(s, 4) for _, s in unfused], "fused_s": [round(s, 4) for _, s in fused],
-              "speedup": round(sum(s for _, s in unfused) / sum(s for _, s in fused), 3),
+              "unfused_tokens": sum(len(ids) for ids, _ in unfused), "fused_tokens": sum(len(ids) for ids, _ in fused),
+              "speedup": round(sum(len(ids) for ids, _ in fused) / sum(s for _, s in fused)
+                               / (sum(len(ids) for ids, _ in unfused) / sum(s for _, s in unfused)), 3),
               "identical_outputs": sum(a == b for (a, _), (b, _) in zip(unfused, fused))}
     print(json.dumps(report, indent=1))
     write_report(report, args.out)

@@ -12,7 +12,9 @@
 #   bash scripts/h200_session.sh speed2    # the same, fp32 tests first; GPU 0 adds the default (graph) round's cold
 #                                          # start and steady state, GPU 1 a profile of the calls (profile_call)
 #   bash scripts/h200_session.sh speed1    # one GPU: fp32 default-target test, fused DFlash 2, compiled plain
-#   bash scripts/h200_session.sh fusion    # one GPU: compile="background" -- GPU test, fusion_check, a second process
+#   bash scripts/h200_session.sh fusion-a  # one GPU: compile="background" on tiny models (the GPU test; no target)
+#   bash scripts/h200_session.sh fusion    # one GPU: compile="background" -- fusion_check, then a second process
+#   bash scripts/h200_session.sh plain     # one GPU: compiled plain decoding (cold, steady, sweep)
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -73,15 +75,23 @@ speed1)  # one GPU, one step after the other: the fp32 test on the default targe
     --out "$S/speed-fused.json"
   step speed-plain 130 "${speed[@]}" --methods plain --sections cold,steady --out "$S/speed-plain.json"
   ;;
-fusion)  # one GPU, compile="background": the GPU test; fusion_check (child build time, switch, unfused vs fused, with
-         # the package built into DFLASH2_CACHE); then speed in a fresh process that finds that package at once
+fusion-a)  # one GPU, no target needed (a staging call): compile="background" on tiny models, the GPU test
+  step gpu-fusion 200 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k background
+  ;;
+fusion)  # one GPU, compile="background" on the default target: fusion_check (first call, calls while the child
+         # builds, the switch and its memory, unfused vs fused; the package goes into DFLASH2_CACHE); then speed in a
+         # fresh process that finds that package at once (cold start, steady state, round, sweep at batch 1 and 8)
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   export DFLASH2_CACHE=/tmp/dflash2-cache
-  step gpu-fusion 150 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k background
-  step fusion-check 180 -m dflash2.benchmarks.fusion_check --device cuda --max-new-tokens 256 --num-prompts 10 \
+  step fusion-check 220 -m dflash2.benchmarks.fusion_check --device cuda --max-new-tokens 256 --num-prompts 10 \
     --out "$S/fusion-check.json"
-  step speed-background 180 -m dflash2.benchmarks.speed --device cuda --background-fusion --methods dflash2 \
+  step speed-background 330 -m dflash2.benchmarks.speed --device cuda --background-fusion --methods dflash2 \
     --sections cold,steady,round,sweep --out "$S/speed-background.json"
+  ;;
+plain)  # one GPU: compiled plain decoding, the comparison for `fusion` (cold start, steady state, sweep)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  step speed-plain 230 -m dflash2.benchmarks.speed --device cuda --methods plain --sections cold,steady,sweep \
+    --out "$S/speed-plain.json"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

