@@ -3,10 +3,10 @@
 The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
 CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
 dtypes and code matter), exports its round (`torch.export`) and compiles it with inductor ahead of time
-(AOTInductor) into a package on disk. A later call that finds the package loads it with the caller's own weights and
-buffers (`load_constants(..., user_managed=True)`: the package holds no weights), checks one round against the eager
-round from the same state, and from then on runs it (captured as a CUDA graph on a GPU). A second process with the
-same shapes finds the package and runs fused rounds from its first call.
+(AOTInductor) into a package on disk. The weights are inputs of that round like its state, so the package holds none.
+A later call that finds the package loads it, passes it the caller's own weights, buffers and state, checks one round
+against the eager round from the same state, and from then on runs it (captured as a CUDA graph on a GPU). A second
+process with the same shapes finds the package and runs fused rounds from its first call.
 
 Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn.Module.__call__` process-wide while
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
@@ -30,32 +30,65 @@ import torch
 
 from .round_core import RoundCore
 
-PACKAGE_FORMAT = 1  # bump when what a package holds changes
+PACKAGE_FORMAT = 2  # bump when what a package holds changes
+
+
+class _Round(torch.nn.Module):
+    """Target and drafter as submodules (so `functional_call` can swap their weights); `forward(*state)` binds the core
+    to `state` and runs one round."""
+
+    def __init__(self, program: "RoundProgram"):
+        super().__init__()
+        self.target, self.drafter = program.core.target, program.core.drafter
+        self._program = [program]  # in a list: not a submodule
+
+    def forward(self, *state) -> torch.Tensor:
+        program = self._program[0]
+        program.bind(state)
+        RoundCore.round.__wrapped__(program.core)  # the round without its no_grad decorator (export runs under one)
+        return program.core.output_length + 0
 
 
 class RoundProgram(torch.nn.Module):
-    """The round of a `RoundCore` as a module: target and drafter are its submodules (their weights its constants),
-    and every tensor of the core and of its caches is an input that the round mutates in place. (As buffers, the
-    state would count as constants, which the compiler may fold with the values it saw.)"""
+    """The round of a `RoundCore` as a module with no weights of its own: every input is a tensor of the caller, first
+    each weight and buffer of target and drafter (tied ones once), then every tensor of the core and of its caches,
+    which the round mutates in place. The compiled package therefore holds no constants: it runs on whatever weights
+    it is given, with nothing to copy or fold when it is loaded. (As buffers, the state would count as constants,
+    which the compiler may fold with the values it saw; as constants, the weights would be copied into the package.)"""
 
     def __init__(self, core: RoundCore):
         super().__init__()
-        self._core = [core]  # in a list: not a submodule
-        self.target, self.drafter = core.target, core.drafter
+        self._core = [core]  # in lists: not submodules, so the program has no parameters or buffers
+        self._round = [_Round(self)]
         self._state = sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
             raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
+        named = {**dict(self._round[0].named_parameters()), **dict(self._round[0].named_buffers())}
+        self._weight_names = list(named)
 
-    def inputs(self) -> tuple:
-        """The core's tensors in the order `forward` takes them: its state, then each cache's keys and values."""
-        core = self._core[0]
+    @property
+    def core(self) -> RoundCore:
+        return self._core[0]
+
+    def weights(self) -> tuple:
+        """Every weight and buffer of target and drafter (each tensor once), in the order `forward` takes them."""
+        named = {**dict(self._round[0].named_parameters()), **dict(self._round[0].named_buffers())}
+        return tuple(named[name] for name in self._weight_names)
+
+    def state(self) -> tuple:
+        """The core's tensors in the order `forward` takes them after the weights: its state, then each cache's keys
+        and values (what a round mutates)."""
+        core = self.core
         return (*(getattr(core, name) for name in self._state),
                 *(t for cache in self._caches for t in (*cache.keys, *cache.values)))
 
+    def inputs(self) -> tuple:
+        return (*self.weights(), *self.state())
+
     def bind(self, tensors) -> None:
         """Point the core at `tensors` (under tracing: the traced stand-ins of its own)."""
-        core, tensors = self._core[0], list(tensors)
+        core, tensors = self.core, list(tensors)
         for name in self._state:
             setattr(core, name, tensors.pop(0))
         for cache in self._caches:
@@ -63,13 +96,9 @@ class RoundProgram(torch.nn.Module):
             cache.keys, cache.values, tensors = tensors[:n], tensors[n: 2 * n], tensors[2 * n:]
 
     def forward(self, *tensors) -> torch.Tensor:
-        self.bind(tensors)
-        RoundCore.round.__wrapped__(self._core[0])  # the round without its no_grad decorator (export runs under one)
-        return self._core[0].output_length + 0
-
-    def constants(self) -> dict:
-        """Name -> tensor of every weight and buffer of target and drafter (tied weights under each name)."""
-        return {**dict(self.named_parameters(remove_duplicate=False)), **dict(self.named_buffers(remove_duplicate=False))}
+        n = len(self._weight_names)
+        weights = dict(zip(self._weight_names, tensors[:n]))
+        return torch.func.functional_call(self._round[0], weights, tuple(tensors[n:]))
 
 
 # ------------------------------------------------------------------------------------------------ the package
@@ -144,16 +173,14 @@ def build_package(spec: dict, path: Path) -> None:
     ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
     core.prefill(ids, torch.ones_like(ids), 1)
     program = RoundProgram(core)
-    real = program.inputs()
+    real = program.state()
     with torch.no_grad():
-        exported = torch.export.export(program, real, strict=False)
+        exported = torch.export.export(program, program.inputs(), strict=False)
     program.bind(real)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         partial = Path(scratch) / path.name
-        with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
-                                           "aot_inductor.use_runtime_constant_folding": True}):
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         os.replace(partial, path)
 
 
@@ -224,24 +251,23 @@ class BackgroundFusion:
 
 
 def load_fused_round(core: RoundCore, path: Path):
-    """The package's round bound to `core`'s own weights and buffers, or None (with a warning) when it cannot be
-    used: constants it needs that the core does not hold, or a first round that differs from the eager round."""
+    """The package's round over `core`'s own weights, buffers and state, or None (with a warning) when it cannot be
+    used: it fails to load or run, or its first round differs from the eager round. Loaded single-threaded: its runs
+    are captured into a CUDA graph, which the runner pool's event waits would break."""
     program = RoundProgram(core)
-    package = torch._inductor.aoti_load_package(str(path))
-    ours = program.constants()
-    names = [name for name in package.get_constant_fqns() if not name.startswith("_FOLDED_CONST_")]  # computed at load
-    missing = [name for name in names if name not in ours]
-    if missing:
-        warnings.warn(f"DFlash 2: the fused round in {path} needs constants the round core does not hold "
-                      f"({missing[:4]}); decoding with the unfused round.", stacklevel=3)
-        return None
-    package.load_constants({name: ours[name] for name in names}, check_full_update=True, user_managed=True)
     inputs = program.inputs()
+    try:
+        package = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
 
-    def fused() -> None:
-        package(*inputs)
+        def fused() -> None:
+            package(*inputs)
 
-    if not same_round(core, program, fused):
+        agrees = same_round(core, program, fused)
+    except Exception as error:  # noqa: BLE001 - any failure leaves the unfused round in place
+        warnings.warn(f"DFlash 2: the fused round in {path} could not be used ({type(error).__name__}: {error}); "
+                      "decoding with the unfused round.", stacklevel=3)
+        return None
+    if not agrees:
         warnings.warn(f"DFlash 2: the fused round in {path} disagreed with the eager round on a check; decoding with "
                       "the unfused round.", stacklevel=3)
         return None
@@ -252,7 +278,7 @@ class preserved:
     """Every tensor of a core (state and caches) as it was on entry, again on exit."""
 
     def __init__(self, core: RoundCore):
-        self.buffers = dict(enumerate(RoundProgram(core).inputs()))
+        self.buffers = dict(enumerate(RoundProgram(core).state()))
 
     def __enter__(self):
         self.before = {name: tensor.clone() for name, tensor in self.buffers.items()}
@@ -267,7 +293,7 @@ class preserved:
 @torch.no_grad()
 def same_round(core: RoundCore, program: RoundProgram, fused) -> bool:
     """One round from the core's current state, eager and fused: integer state equal, floating state close."""
-    buffers = dict(enumerate(program.inputs()))
+    buffers = dict(enumerate(program.state()))
     with preserved(core):
         core.round()
         eager = {name: tensor.clone() for name, tensor in buffers.items()}

@@ -1,5 +1,6 @@
 """compile="background": the round exported and compiled ahead of time (AOTInductor) in a child process, loaded into
-the caller with the caller's own weights and buffers, checked, then used; a second process finds the package.
+the caller, run on the caller's own weights, buffers and state (its inputs: the package holds no weights), checked,
+then used; a second process finds the package.
 
 AOTInductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
 
@@ -34,9 +35,10 @@ def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
     path = tmp_path / "round.pt2"
     fusion.build_package(fusion.spec_of(core), path)
     assert path.stat().st_size < 2 ** 20 * 8  # no weights inside
+    assert torch._inductor.aoti_load_package(str(path)).get_constant_fqns() == []  # weights are inputs, not constants
     fused = fusion.load_fused_round(core, path)
     assert fused is not None
-    tensors = dict(enumerate(fusion.RoundProgram(core).inputs()))
+    tensors = dict(enumerate(fusion.RoundProgram(core).state()))
     with fusion.preserved(core):
         for round_index in range(5):
             core.draw_noise(torch.Generator().manual_seed(round_index)) if sampling.do_sample else None
