@@ -68,6 +68,20 @@ def test_sampled_answers_follow_their_seed_and_differ_from_greedy(tiny):
     assert distill(target, tokenizer, prompts, answers="greedy", time_limit_s=0.0, **options) == []
 
 
+def test_a_time_limit_cuts_greedy_and_sampled_batches_alike(tiny, monkeypatch):
+    """Under a time limit the batches of both kinds run in one shuffled order: a cut keeps about the planned mix,
+    even when batches are slow (on one H200, four 60-second greedy batches used to take the whole limit)."""
+    from dflash2.training import selfdistill
+
+    target, tokenizer, prompts = tiny
+    clock = iter(range(0, 10 ** 6, 5))  # every reading of the clock is 5 seconds later: one batch takes 5 s
+    monkeypatch.setattr(selfdistill.time, "time", lambda: next(clock))
+    rows = distill(target, tokenizer, prompts * 4, answers="mix", mix_fraction=0.5, seed=3, max_new_tokens=4,
+                   batch_size=1, temperature=1.0, progress=False, time_limit_s=60)
+    kinds = [r["sampled"] for r in rows]
+    assert 8 <= len(rows) <= 14 and 3 <= sum(kinds) <= len(kinds) - 3, kinds
+
+
 def test_a_gzipped_prompt_file_reads_the_same(tmp_path):
     import gzip
 

@@ -47,31 +47,35 @@ def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
 @torch.no_grad()
 def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, batch_size: int = 64,
                    max_prompt_tokens: int = 256, temperature: float = 0.0, progress: bool = True, top_p: float = 0.95,
-                   seed: int | str = 0, time_limit_s: float | None = None) -> list[dict | None]:
+                   seed: int | str = 0, time_limit_s: float | None = None,
+                   sampled: list[bool] | None = None) -> list[dict | None]:
     """Generate the target's answers in left-padded batches (prompts sorted by length to waste little padding).
 
-    Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. Sampled
-    (temperature > 0): batch j samples after seeding torch from (seed, j), so a run is reproducible for the same
-    prompts, batch size and seed. With `time_limit_s`, no batch starts after that many seconds: the prompts left
-    unanswered get None (batches run in a seeded random order, so a cut drops a random set of batches, not the
-    longest prompts).
+    Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. `sampled`
+    says per prompt whether it is answered by sampling at `temperature` (default: all of them when temperature > 0,
+    else none); a batch holds only one kind. A sampled batch j samples after seeding torch from (seed, j), so a run is
+    reproducible for the same prompts, batch size and seed. With `time_limit_s`, no batch starts after that many
+    seconds: the prompts left unanswered get None (batches of both kinds run in one seeded random order, so a cut
+    drops a random set of batches, not the longest prompts nor one kind).
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
     encoded = [prompt_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    sampled = [temperature > 0] * len(encoded) if sampled is None else list(sampled)
+    if any(sampled) and temperature <= 0:
+        raise ValueError(f"sampled answers need a temperature > 0 (got {temperature})")
     rows: list[dict | None] = [None] * len(encoded)
-    batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-    numbered = list(enumerate(batches))
+    numbered = []  # (number of the batch among those of its kind, batch)
+    for kind in (False, True):
+        order = sorted((i for i in range(len(encoded)) if sampled[i] == kind), key=lambda i: len(encoded[i]))
+        numbered += list(enumerate(order[i: i + batch_size] for i in range(0, len(order), batch_size)))
     random.Random(f"dflash2-distill:{seed}").shuffle(numbered)
     iterator = numbered
     if progress:
         from tqdm.auto import tqdm
 
         iterator = tqdm(numbered, desc="self-distill", mininterval=5)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(
-        do_sample=False)
     started = time.time()
     for number, batch in iterator:
         if time_limit_s is not None and time.time() - started >= time_limit_s:
@@ -83,8 +87,10 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
             ids = encoded[index]
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
-        if temperature > 0:
+        sampling = dict(do_sample=False)
+        if sampled[batch[0]]:
             torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                               max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
         for row, index in enumerate(batch):
@@ -126,19 +132,12 @@ def distill(target, tokenizer, prompts: list, answers: str = "greedy", max_new_t
     greedy, sampled = answer_plan(len(prompts), answers, seed, mix_fraction, indices)
     if sampled and temperature <= 0:
         raise ValueError(f"answers={answers!r} samples: give a temperature > 0 (got {temperature})")
-    started = time.time()
-    rows = []
-    passes = [(positions, is_sampled) for positions, is_sampled in ((greedy, False), (sampled, True)) if positions]
-    for number, (positions, is_sampled) in enumerate(passes):
-        left = None
-        if time_limit_s is not None:  # each pass gets its share of the time left, in proportion to its prompts
-            share = len(positions) / sum(len(p) for p, _ in passes[number:])
-            left = max(0.0, time_limit_s - (time.time() - started)) * share
-        answered = answer_prompts(target, tokenizer, [prompts[p] for p in positions], max_new_tokens, batch_size,
-                                  max_prompt_tokens, temperature if is_sampled else 0.0, progress, top_p,
-                                  f"{seed}:{indices[0]}", left)  # each shard its own random stream
-        rows += [{**row, "prompt_index": indices[p], "sampled": is_sampled}
-                 for p, row in zip(positions, answered) if row is not None]
+    items = [(p, False) for p in greedy] + [(p, True) for p in sampled]  # (position, sampled); "both" has each twice
+    answered = answer_prompts(target, tokenizer, [prompts[p] for p, _ in items], max_new_tokens, batch_size,
+                              max_prompt_tokens, temperature, progress, top_p, f"{seed}:{indices[0]}",  # each shard
+                              time_limit_s, sampled=[kind for _, kind in items])              # its own random stream
+    rows = [{**row, "prompt_index": indices[p], "sampled": kind} for (p, kind), row in zip(items, answered)
+            if row is not None]
     return sorted(rows, key=lambda row: (row["prompt_index"], row["sampled"]))
 
 
