@@ -149,7 +149,8 @@ def package_key(spec: dict) -> str:
 
 def build_package(spec: dict, path: Path) -> None:
     """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
-    exported and compiled without weights in the package; written atomically to `path`."""
+    exported and compiled without weights in the package, loaded and checked against the eager round once; written
+    atomically to `path`."""
     import importlib
 
     def load_class(qualified: str):
@@ -181,6 +182,10 @@ def build_package(spec: dict, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         partial = Path(scratch) / path.name
         torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+        # loaded and checked here first: a package that cannot be loaded (on torch 2.11 with CUDA, loading crashed the
+        # process) or disagrees ends this child, never the caller, and is never published
+        if load_fused_round(core, partial) is None:
+            raise RuntimeError("the package built here failed its own check; not published")
         os.replace(partial, path)
 
 
