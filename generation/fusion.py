@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,10 +148,10 @@ def package_key(spec: dict) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def build_package(spec: dict, path: Path) -> None:
+def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
     """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
     exported and compiled without weights in the package, loaded and checked against the eager round once; written
-    atomically to `path`."""
+    atomically to `path` (built in `scratch`, a folder on the same file system: a new temporary one by default)."""
     import importlib
 
     def load_class(qualified: str):
@@ -179,8 +180,8 @@ def build_package(spec: dict, path: Path) -> None:
         exported = torch.export.export(program, program.inputs(), strict=False)
     program.bind(real)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        partial = Path(scratch) / path.name
+    with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
+        partial = Path(folder) / path.name
         torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         # loaded and checked here first: a package that cannot be loaded (on torch 2.11 with CUDA, loading crashed the
         # process) or disagrees ends this child, never the caller, and is never published
@@ -195,22 +196,28 @@ class FusionJob:
     def __init__(self, spec: dict, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, spec_file = tempfile.mkstemp(suffix=".spec", dir=path.parent)
-        with os.fdopen(handle, "wb") as f:
+        # the child's spec file and scratch folder are ours to remove: a child that crashes cannot clean up
+        self.scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
+        spec_file = self.scratch / "spec.pickle"
+        with open(spec_file, "wb") as f:
             pickle.dump(spec, f)
         self.log = path.with_suffix(".log")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", f"import importlib, sys; importlib.import_module({spec['fusion_module']!r})"
-                 f".child_main(sys.argv[1], sys.argv[2])", spec_file, str(path)],
+                 f".child_main(sys.argv[1], sys.argv[2])", str(spec_file), str(path)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ready(self) -> bool:
-        return self.process.poll() is not None
+        if self.process.poll() is None:
+            return False
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         self.process.wait(timeout)
+        self.ready()
 
     def failure(self) -> str | None:
         if not self.ready() or (self.process.returncode == 0 and self.path.exists()):
@@ -220,12 +227,10 @@ class FusionJob:
 
 
 def child_main(spec_file: str, path: str) -> None:
-    try:
-        with open(spec_file, "rb") as f:
-            spec = pickle.load(f)
-        build_package(spec, Path(path))
-    finally:
-        Path(spec_file).unlink(missing_ok=True)
+    """The child's entry: the spec from `spec_file`; its folder is the scratch space (the caller removes it)."""
+    with open(spec_file, "rb") as f:
+        spec = pickle.load(f)
+    build_package(spec, Path(path), Path(spec_file).parent)
 
 
 # ------------------------------------------------------------------------------------------------ in the caller

@@ -102,6 +102,42 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     assert len(list(tmp_path.rglob("*.pt2"))) == 1
 
 
+def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
+    """On the H200 (torch 2.11, CUDA) loading a package crashed the loading process. The child now loads and checks
+    its package before publishing it: here its load is made to crash (a segmentation fault, through a sitecustomize
+    on the path the child inherits). The caller warns once, stays unfused, publishes nothing, and every output still
+    equals plain greedy."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\nimport torch._inductor\n"
+        "torch._inductor.aoti_load_package = lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.syspath_prepend(str(hook))  # FusionJob hands the caller's sys.path to the child
+    target = tiny_target("llama", seed=6)
+    drafter = tiny_drafter(target, seed=7, block_size=4).attach(target)
+    prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 11, 8)]
+
+    def both(ids):
+        reference = target.generate(ids, max_new_tokens=20, do_sample=False)
+        ours = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                               cache_implementation="static", compile="background")
+        assert torch.equal(ours, reference)
+        (runner,) = drafter._round_cores.values()
+        return runner
+
+    runner = both(prompts[0])
+    runner.fusion.job.wait(timeout=600)
+    assert runner.fusion.job.process.returncode != 0 and "exit" in runner.fusion.job.failure()
+    with pytest.warns(UserWarning, match="building the fused round failed"):
+        runner = both(prompts[1])
+    assert runner.fusion.state == "failed" and runner.kind == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        both(prompts[2])
+    assert not list(tmp_path.rglob("*.pt2"))
+
+
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
     """Left-padded rows of different lengths: the package of the batch bucket's round takes over, and each row still
     equals plain greedy of that row alone."""
