@@ -2,15 +2,19 @@
 
 The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
 CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
-dtypes and code matter), exports its round (`torch.export`) and compiles it with inductor ahead of time
-(AOTInductor) into a package on disk. The weights are inputs of that round like its state, so the package holds none.
-A later call that finds the package loads it, passes it the caller's own weights, buffers and state, checks one round
-against the eager round from the same state, and from then on runs it (captured as a CUDA graph on a GPU). A second
-process with the same shapes finds the package and runs fused rounds from its first call.
+dtypes and code matter), compiles its round with `torch.compile(...).aot_compile` (dynamo and inductor, ahead of
+time) and saves the result to disk. The weights are inputs of that round like its state, so the saved round holds
+none. A later call that finds it loads it (`torch.compiler.load_compiled_function`: no tracing, no compile), passes it
+the caller's own weights, buffers and state, checks one round against the eager round from the same state, and from
+then on runs it (captured as a CUDA graph on a GPU). A second process with the same shapes finds it and runs fused
+rounds from its first call.
 
 Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn.Module.__call__` process-wide while
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
 compile takes the interpreter for tens of seconds.
+
+Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
+weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from .round_core import RoundCore
 
-PACKAGE_FORMAT = 2  # bump when what a package holds changes
+PACKAGE_FORMAT = 3  # bump when what a package holds changes
 
 
 class _Round(torch.nn.Module):
@@ -46,7 +50,7 @@ class _Round(torch.nn.Module):
     def forward(self, *state) -> torch.Tensor:
         program = self._program[0]
         program.bind(state)
-        RoundCore.round.__wrapped__(program.core)  # the round without its no_grad decorator (export runs under one)
+        RoundCore.round.__wrapped__(program.core)  # the round without its no_grad decorator (compiled under one)
         return program.core.output_length + 0
 
 
@@ -150,7 +154,7 @@ def package_key(spec: dict) -> str:
 
 def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
     """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
-    exported and compiled without weights in the package, loaded and checked against the eager round once; written
+    compiled ahead of time with its weights as inputs, loaded and checked against the eager round once; written
     atomically to `path` (built in `scratch`, a folder on the same file system: a new temporary one by default)."""
     import importlib
 
@@ -176,15 +180,20 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
     core.prefill(ids, torch.ones_like(ids), 1)
     program = RoundProgram(core)
     real = program.state()
-    with torch.no_grad():
-        exported = torch.export.export(program, program.inputs(), strict=False)
+    # guards: only tensor metadata and global state (grad mode), which the caller's inputs match by construction; the
+    # check below and the caller's own check compare rounds, not guards
+    keep = getattr(torch.compiler, "keep_portable_guards_unsafe", torch.compiler.skip_all_guards_unsafe)
+    gate = getattr(torch._dynamo.config, "enable_aot_compile", None)  # needed where the API is still gated
+    with torch.no_grad(), torch._dynamo.config.patch(**({"enable_aot_compile": True} if gate is not None else {})):
+        compiled = torch.compile(program.forward, fullgraph=True, options={"guard_filter_fn": keep}).aot_compile(
+            (program.inputs(), {}))
     program.bind(real)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
         partial = Path(folder) / path.name
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
-        # loaded and checked here first: a package that cannot be loaded (on torch 2.11 with CUDA, loading crashed the
-        # process) or disagrees ends this child, never the caller, and is never published
+        compiled.save_compiled_function(str(partial))
+        # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
+        # process on the H200) or disagrees ends this child, never the caller, and is never published
         if load_fused_round(core, partial) is None:
             raise RuntimeError("the package built here failed its own check; not published")
         os.replace(partial, path)
@@ -240,7 +249,7 @@ class BackgroundFusion:
 
     def __init__(self, runner):
         spec = spec_of(runner.core)
-        self.path = cache_dir() / f"{package_key(spec)}.pt2"
+        self.path = cache_dir() / f"{package_key(spec)}.round"
         self.job = None if self.path.exists() else FusionJob(spec, self.path)
         self.state = "building" if self.job is not None else "ready"
 
@@ -261,16 +270,17 @@ class BackgroundFusion:
 
 
 def load_fused_round(core: RoundCore, path: Path):
-    """The package's round over `core`'s own weights, buffers and state, or None (with a warning) when it cannot be
-    used: it fails to load or run, or its first round differs from the eager round. Loaded single-threaded: its runs
-    are captured into a CUDA graph, which the runner pool's event waits would break."""
+    """The saved round over `core`'s own weights, buffers and state, or None (with a warning) when it cannot be used:
+    it fails to load or run, or its first round differs from the eager round."""
     program = RoundProgram(core)
     inputs = program.inputs()
     try:
-        package = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
+        with open(path, "rb") as f:
+            compiled = torch.compiler.load_compiled_function(f)
 
         def fused() -> None:
-            package(*inputs)
+            with torch.no_grad():  # as it was compiled (a guard)
+                compiled(program, *inputs)
 
         agrees = same_round(core, program, fused)
     except Exception as error:  # noqa: BLE001 - any failure leaves the unfused round in place

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Sampling:
     """Target-side warping DFlash 2's own loops support (transformers' assisted loop supports every processor)."""
@@ -46,12 +45,18 @@ def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tens
     return logits.softmax(-1)
 
 
-@torch.compiler.disable
-def cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
-    """softmax then cumsum over the vocabulary, kept out of compiled graphs: inductor (torch 2.11, Triton) fails to
-    generate code for a scan this long ("Error in codegen ... SplitScan"). Eager, it stays on the device: a graph
-    break, no host synchronisation."""
+def _cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
+    """softmax then cumsum over the vocabulary, kept out of inductor's code: inductor (torch 2.11, Triton) fails to
+    generate code for a scan this long ("Error in codegen ... SplitScan"). As a custom op it runs eagerly inside a
+    compiled graph: no graph break (a whole-graph compile needs none), no host synchronisation."""
     return sorted_logits.softmax(-1).cumsum(-1)
+
+
+if not hasattr(torch.ops.dflash2, "cumulative_probabilities"):  # once per process (the remote-code copy reuses it)
+    torch.library.custom_op("dflash2::cumulative_probabilities", mutates_args=(),
+                            schema="(Tensor sorted_logits) -> Tensor")(_cumulative_probabilities).register_fake(
+        lambda sorted_logits: torch.empty_like(sorted_logits))
+cumulative_probabilities = torch.ops.dflash2.cumulative_probabilities
 
 
 def speculative_accept(drafts, draft_probs, target_probs, uniform, gumbel):

@@ -12,7 +12,7 @@
 #   bash scripts/h200_session.sh speed2    # the same, fp32 tests first; GPU 0 adds the default (graph) round's cold
 #                                          # start and steady state, GPU 1 a profile of the calls (profile_call)
 #   bash scripts/h200_session.sh speed1    # one GPU: fp32 default-target test, fused DFlash 2, compiled plain
-#   bash scripts/h200_session.sh fusion-a  # one GPU, no target: scripts/aoti_load_check.py, then compile="background"
+#   bash scripts/h200_session.sh fusion-a  # one GPU, no target: scripts/fusion_load_check.py, then compile="background"
 #                                          # on tiny models (the GPU test)
 #   bash scripts/h200_session.sh fusion    # one GPU: compile="background" -- fusion_check, then a second process
 #   bash scripts/h200_session.sh plain     # one GPU: compiled plain decoding (cold, steady, sweep)
@@ -76,9 +76,9 @@ speed1)  # one GPU, one step after the other: the fp32 test on the default targe
     --out "$S/speed-fused.json"
   step speed-plain 130 "${speed[@]}" --methods plain --sections cold,steady --out "$S/speed-plain.json"
   ;;
-fusion-a)  # one GPU, no target needed (a staging call): where loading an AOTI package crashes, then compile="background"
+fusion-a)  # one GPU, no target needed (a staging call): where loading a compiled round crashes, then compile="background"
            # on tiny models (the GPU test)
-  step aoti-check 300 scripts/aoti_load_check.py --out "$S/aoti-check"
+  step load-check 300 scripts/fusion_load_check.py --out "$S/load-check"
   step gpu-fusion 200 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k background
   ;;
 fusion)  # one GPU, compile="background" on the default target: fusion_check (first call, calls while the child

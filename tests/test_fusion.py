@@ -1,8 +1,8 @@
-"""compile="background": the round exported and compiled ahead of time (AOTInductor) in a child process, loaded into
+"""compile="background": the round compiled ahead of time (`aot_compile`) in a child process, loaded into
 the caller, run on the caller's own weights, buffers and state (its inputs: the package holds no weights), checked,
 then used; a second process finds the package.
 
-AOTInductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
+Inductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
 
 import shutil
 import warnings
@@ -17,7 +17,7 @@ from dflash2.generation.sampling import Sampling
 from helpers import VOCAB, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="AOTInductor on a CPU needs a C++ compiler")
+                                reason="inductor on a CPU needs a C++ compiler")
 
 
 @pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_p=0.9)],
@@ -32,10 +32,9 @@ def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
     core = RoundCore(target, drafter, 1, 64, sampling, (2,))
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)
-    path = tmp_path / "round.pt2"
+    path = tmp_path / "fused.round"
     fusion.build_package(fusion.spec_of(core), path)
     assert path.stat().st_size < 2 ** 20 * 8  # no weights inside
-    assert torch._inductor.aoti_load_package(str(path)).get_constant_fqns() == []  # weights are inputs, not constants
     fused = fusion.load_fused_round(core, path)
     assert fused is not None
     tensors = dict(enumerate(fusion.RoundProgram(core).state()))
@@ -61,7 +60,7 @@ def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     core.prefill(ids, torch.ones_like(ids), 20)
-    path = tmp_path / "round.pt2"
+    path = tmp_path / "fused.round"
     fusion.build_package(fusion.spec_of(core), path)
     real_round = RoundCore.round  # the eager round now differs from what was compiled: the check must notice
     monkeypatch.setattr(RoundCore, "round", lambda self: (real_round(self), self.output_length.add_(1)))
@@ -99,20 +98,20 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     drafter.__dict__.pop("_round_cores")  # as in a new process: no cores, the package on disk
     runner = both(prompts[3])
     assert runner.fusion.job is None and runner.kind == "fused ahead of time"
-    assert len(list(tmp_path.rglob("*.pt2"))) == 1
+    assert len(list(tmp_path.rglob("*.round"))) == 1
 
 
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
-    """On the H200 (torch 2.11, CUDA) loading a package crashed the loading process. The child now loads and checks
-    its package before publishing it: here its load is made to crash (a segmentation fault, through a sitecustomize
+    """On the H200 (torch 2.11, CUDA) loading an AOTInductor package crashed the loading process. The child loads and
+    checks its round before publishing it: here that load is made to crash (a segmentation fault, through a sitecustomize
     on the path the child inherits). The caller warns once, stays unfused, publishes nothing, and every output still
     equals plain greedy."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os, signal\nimport torch._inductor\n"
-        "torch._inductor.aoti_load_package = lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV)\n")
+        "import os, signal\nimport torch.compiler\n"
+        "torch.compiler.load_compiled_function = lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV)\n")
     monkeypatch.syspath_prepend(str(hook))  # FusionJob hands the caller's sys.path to the child
     target = tiny_target("llama", seed=6)
     drafter = tiny_drafter(target, seed=7, block_size=4).attach(target)
@@ -135,7 +134,7 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         both(prompts[2])
-    assert not list(tmp_path.rglob("*.pt2"))
+    assert not list(tmp_path.rglob("*.round"))
 
 
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):

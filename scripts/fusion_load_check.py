@@ -1,13 +1,14 @@
-"""Where does loading an AOTInductor package crash on a GPU? (compile="background" segfaulted inside
-`aoti_load_package` on the H200 image: torch 2.11, CUDA; on a CPU with torch 2.13 it works.)
+"""Where does loading a compiled round crash on a GPU? (compile="background" segfaulted inside `aoti_load_package` on
+the H200 image, torch 2.11 with CUDA; on a CPU with torch 2.13 it works. The round is now saved by `aot_compile`
+instead; the `module` cases still test AOTInductor itself, the `round` cases the round as it is built now.)
 
-    python scripts/aoti_load_check.py --out /tmp/aoti-check        # every case, each in its own process
+    python scripts/fusion_load_check.py --out /tmp/fusion-load-check        # every case, each in its own process
 
 Each case runs in a fresh process (a segfault ends only that case) and reports its exit status and last lines:
   module            a two-layer module compiled and loaded in one process (does AOTI load at all here?)
   module-fresh      that package loaded in a fresh process
   module-threaded   the same, loaded with run_single_threaded=False (the default)
-  round             the tiny round core's package (weights as inputs) built and loaded in one process
+  round             the tiny round core's compiled round (weights as inputs) built and loaded in one process
   round-fresh       that package loaded by a fresh process that builds the same core
   round-after-graph the same after a CUDA graph was captured in the process (as the runner does)
 When gdb is installed, a crashing case is re-run under it for the native backtrace.
@@ -48,7 +49,7 @@ def run_case(case: str, folder: Path, device: str) -> None:
 
     from dflash2.generation import fusion
 
-    module_path, round_path = folder / "module.pt2", folder / "round.pt2"
+    module_path, round_path = folder / "module.pt2", folder / "fused.round"
     if case == "module":
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(device)
         x = torch.randn(4, 64, device=device)
@@ -79,7 +80,7 @@ def run_case(case: str, folder: Path, device: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="/tmp/aoti-check")
+    parser.add_argument("--out", default="/tmp/fusion-load-check")
     parser.add_argument("--device", default="cuda", help="cuda (what it is for) or cpu (to try the script)")
     parser.add_argument("--case", choices=CASES, default=None, help="run one case in this process")
     args = parser.parse_args(argv)
