@@ -15,7 +15,8 @@
 #                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
-# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after);
+# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after),
+# DISTILL_CACHE (dynamic; static: compiled decoding over a fixed-size cache -- measure it against dynamic first);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
@@ -63,7 +64,7 @@ data)
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
     --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-1536}" \
-    --time-limit "${DISTILL_S:-300}" 2>&1 | quiet | tee "$OUT/distill.log"
+    --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-dynamic}" 2>&1 | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
   echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
     | tee -a "$OUT/distill.log"

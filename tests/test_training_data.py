@@ -42,7 +42,8 @@ def test_answer_plans():
 def test_distill_options_from_the_command_line():
     parse = lambda *a: distill_options(build_parser().parse_args(  # noqa: E731
         ["train", "--target", "t", "--prompts", "p", "--out", "o", *a]), "gen-")
-    assert parse()["answers"] == "greedy"
+    assert parse()["answers"] == "greedy" and parse()["cache"] == "dynamic"
+    assert parse("--gen-cache", "static")["cache"] == "static"
     sampled = parse("--gen-temperature", "0.7", "--gen-seed", "5")
     assert (sampled["answers"], sampled["temperature"], sampled["seed"]) == ("sampled", 0.7, 5)
     assert parse("--gen-answers", "mix")["temperature"] == 0.8
@@ -80,6 +81,16 @@ def test_a_time_limit_cuts_greedy_and_sampled_batches_alike(tiny, monkeypatch):
                    batch_size=1, temperature=1.0, progress=False, time_limit_s=60)
     kinds = [r["sampled"] for r in rows]
     assert 8 <= len(rows) <= 14 and 3 <= sum(kinds) <= len(kinds) - 3, kinds
+
+
+def test_a_static_cache_gives_the_same_greedy_answers(tiny):
+    """`--cache static` (widths padded to multiples of 128, a fixed-size cache) answers exactly as the dynamic cache."""
+    target, tokenizer, prompts = tiny
+    options = dict(answers="greedy", max_new_tokens=10, batch_size=4, progress=False)
+    dynamic = distill(target, tokenizer, prompts, **options)
+    static = distill(target, tokenizer, prompts, cache="static", **options)
+    assert [r["input_ids"] for r in static] == [r["input_ids"] for r in dynamic]
+    assert [r["prompt_length"] for r in static] == [r["prompt_length"] for r in dynamic]
 
 
 def test_a_gzipped_prompt_file_reads_the_same(tmp_path):

@@ -48,7 +48,7 @@ def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
 def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, batch_size: int = 64,
                    max_prompt_tokens: int = 256, temperature: float = 0.0, progress: bool = True, top_p: float = 0.95,
                    seed: int | str = 0, time_limit_s: float | None = None,
-                   sampled: list[bool] | None = None) -> list[dict | None]:
+                   sampled: list[bool] | None = None, cache: str = "dynamic") -> list[dict | None]:
     """Generate the target's answers in left-padded batches (prompts sorted by length to waste little padding).
 
     Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. `sampled`
@@ -56,7 +56,9 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     else none); a batch holds only one kind. A sampled batch j samples after seeding torch from (seed, j), so a run is
     reproducible for the same prompts, batch size and seed. With `time_limit_s`, no batch starts after that many
     seconds: the prompts left unanswered get None (batches of both kinds run in one seeded random order, so a cut
-    drops a random set of batches, not the longest prompts nor one kind).
+    drops a random set of batches, not the longest prompts nor one kind). `cache="static"`: a cache of fixed size
+    (transformers compiles its decoding on a GPU), each batch left-padded to a multiple of 128 columns so that few
+    shapes occur; "dynamic": transformers' default, each batch as wide as its longest prompt.
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -81,6 +83,8 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
         if time_limit_s is not None and time.time() - started >= time_limit_s:
             break
         width = max(len(encoded[i]) for i in batch)
+        if cache == "static":
+            width = -(-width // 128) * 128
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, index in enumerate(batch):
@@ -92,7 +96,8 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
             torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
+                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
+                              **({"cache_implementation": "static"} if cache == "static" else {}))
         for row, index in enumerate(batch):
             answer = out[row, width:].tolist()
             cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
@@ -123,7 +128,7 @@ def answer_plan(num_prompts: int, answers: str, seed: int = 0, mix_fraction: flo
 def distill(target, tokenizer, prompts: list, answers: str = "greedy", max_new_tokens: int = 256,
             batch_size: int = 64, max_prompt_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
             seed: int = 0, mix_fraction: float = 0.5, indices: list[int] | None = None, progress: bool = True,
-            time_limit_s: float | None = None) -> list[dict]:
+            time_limit_s: float | None = None, cache: str = "dynamic") -> list[dict]:
     """Answer `prompts` (their indices in the prompt file: `indices`, default 0..n-1) as `answers` asks. Rows
     {"input_ids", "prompt_length", "prompt_index", "sampled"}, ordered by (prompt index, greedy first). Sampled
     answers are reproducible for the same seed, prompts, shard and batch size (not across shard counts: a batch
@@ -135,7 +140,7 @@ def distill(target, tokenizer, prompts: list, answers: str = "greedy", max_new_t
     items = [(p, False) for p in greedy] + [(p, True) for p in sampled]  # (position, sampled); "both" has each twice
     answered = answer_prompts(target, tokenizer, [prompts[p] for p, _ in items], max_new_tokens, batch_size,
                               max_prompt_tokens, temperature, progress, top_p, f"{seed}:{indices[0]}",  # each shard
-                              time_limit_s, sampled=[kind for _, kind in items])              # its own random stream
+                              time_limit_s, sampled=[kind for _, kind in items], cache=cache)  # its own random stream
     rows = [{**row, "prompt_index": indices[p], "sampled": kind} for (p, kind), row in zip(items, answered)
             if row is not None]
     return sorted(rows, key=lambda row: (row["prompt_index"], row["sampled"]))
@@ -211,6 +216,9 @@ def add_distill_arguments(parser, prefix: str = "") -> None:
                         help="prompt tokens kept (a conversation drops its oldest turns first)")
     parser.add_argument(f"--{prefix}time-limit", type=float, default=None,
                         help="seconds: start no new batch after this (each process); unanswered prompts are left out")
+    parser.add_argument(f"--{prefix}cache", default="dynamic", choices=("dynamic", "static"),
+                        help="the target's cache while answering: transformers' dynamic cache, or a static one "
+                             "(compiled decoding on a GPU; batches padded to multiples of 128 columns)")
 
 
 def distill_options(args, prefix: str = "") -> dict:
@@ -224,7 +232,7 @@ def distill_options(args, prefix: str = "") -> dict:
         raise SystemExit(f"--{prefix}answers {answers} samples: give --{prefix}temperature > 0 (got {temperature})")
     return dict(answers=answers, temperature=temperature, top_p=get("top_p"), seed=get("seed"),
                 mix_fraction=get("mix_fraction"), max_prompt_tokens=get("max_prompt_tokens"),
-                time_limit_s=get("time_limit"))
+                time_limit_s=get("time_limit"), cache=get("cache"))
 
 
 def main(argv=None) -> None:
