@@ -20,6 +20,16 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="inductor on a CPU needs a C++ compiler")
 
 
+def background_equals_plain(target, drafter, ids, max_new_tokens):
+    """One greedy call with compile="background": its output equals plain greedy. Returns the drafter's one runner."""
+    reference = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    ours = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
+                           cache_implementation="static", compile="background")
+    assert torch.equal(ours, reference)
+    (runner,) = drafter._round_cores.values()
+    return runner
+
+
 @pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_p=0.9)],
                          ids=["greedy", "sampled"])
 def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
@@ -78,12 +88,7 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14, 6)]
 
     def both(ids):
-        reference = target.generate(ids, max_new_tokens=24, do_sample=False)
-        ours = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter,
-                               cache_implementation="static", compile="background")
-        assert torch.equal(ours, reference)
-        (runner,) = drafter._round_cores.values()
-        return runner
+        return background_equals_plain(target, drafter, ids, 24)
 
     runner = both(prompts[0])
     assert runner.kind == "eager" and runner.fusion.state == "building"
@@ -118,12 +123,7 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
     prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 11, 8)]
 
     def both(ids):
-        reference = target.generate(ids, max_new_tokens=20, do_sample=False)
-        ours = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                               cache_implementation="static", compile="background")
-        assert torch.equal(ours, reference)
-        (runner,) = drafter._round_cores.values()
-        return runner
+        return background_equals_plain(target, drafter, ids, 20)
 
     runner = both(prompts[0])
     runner.fusion.job.wait(timeout=600)
