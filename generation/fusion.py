@@ -38,6 +38,18 @@ from .round_core import RoundCore
 PACKAGE_FORMAT = 3  # bump when what a package holds changes
 
 
+def round_weights(target, drafter) -> dict:
+    """Name -> tensor of every parameter and buffer of target and drafter, each tensor once (tied weights under their
+    first name), in module order: the weight inputs of a compiled round."""
+    pair = torch.nn.ModuleDict({"target": target, "drafter": drafter})
+    return {**dict(pair.named_parameters()), **dict(pair.named_buffers())}
+
+
+def weights_signature(target, drafter) -> list:
+    """(name, shape, dtype) of each weight input: caller and child must agree on it, in this order."""
+    return [(name, list(t.shape), str(t.dtype)) for name, t in round_weights(target, drafter).items()]
+
+
 class _Round(torch.nn.Module):
     """Target and drafter as submodules (so `functional_call` can swap their weights); `forward(*state)` binds the core
     to `state` and runs one round."""
@@ -69,8 +81,7 @@ class RoundProgram(torch.nn.Module):
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
             raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
-        named = {**dict(self._round[0].named_parameters()), **dict(self._round[0].named_buffers())}
-        self._weight_names = list(named)
+        self._weight_names = list(round_weights(core.target, core.drafter))
 
     @property
     def core(self) -> RoundCore:
@@ -78,7 +89,7 @@ class RoundProgram(torch.nn.Module):
 
     def weights(self) -> tuple:
         """Every weight and buffer of target and drafter (each tensor once), in the order `forward` takes them."""
-        named = {**dict(self._round[0].named_parameters()), **dict(self._round[0].named_buffers())}
+        named = round_weights(self.core.target, self.core.drafter)
         return tuple(named[name] for name in self._weight_names)
 
     def state(self) -> tuple:
@@ -127,6 +138,7 @@ def spec_of(core: RoundCore) -> dict:
         "device": str(core.device),
         "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling,
         "eos": core.eos.tolist(),
+        "weights": weights_signature(target, drafter),
         "fusion_module": __name__,
         "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__,
                                 type(core.sampling).__module__, type(drafter).__mro__[1].__module__}),
@@ -171,10 +183,16 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         target = load_class(spec["target_class"])._from_config(target_config, dtype=dtypes["target"])
         drafter = load_class(spec["drafter_class"])._from_config(spec["drafter_config"], dtype=dtypes["drafter"])
     target, drafter = target.to_empty(device=device).eval(), drafter.to_empty(device=device).eval()
+    target.tie_weights()  # to_empty gives every parameter its own storage; the caller's tied ones are one input
     with torch.no_grad():  # values are irrelevant to the compiled code; only keep them finite
         for tensor in list(target.parameters()) + list(target.buffers()) + list(drafter.parameters()):
             tensor.zero_()
     drafter.attach(target)
+    if weights_signature(target, drafter) != spec["weights"]:
+        ours, theirs = weights_signature(target, drafter), spec["weights"]
+        differ = [f"{a} vs {b}" for a, b in zip(ours, theirs) if a != b][:3] or [f"{len(ours)} vs {len(theirs)}"]
+        raise RuntimeError(f"the core built from the configs has other weights than the caller's ({differ}); its "
+                           "compiled round would not take the caller's weights")
     core = RoundCore(target, drafter, spec["batch"], spec["capacity"], spec["sampling"], spec["eos"])
     ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
     core.prefill(ids, torch.ones_like(ids), 1)

@@ -10,12 +10,13 @@ VOCAB = 96
 EOS = 3
 
 
-def tiny_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 6, hidden: int = 64):
+def tiny_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 6, hidden: int = 64,
+                tied: bool = False):
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-        eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False,
+        eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=tied,
     )
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -35,8 +35,10 @@ def background_equals_plain(target, drafter, ids, max_new_tokens):
 def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
     """Built from the configs alone (uninitialised weights), the package runs rounds over our weights and buffers:
     five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats
-    (sampled rounds: the same noise drawn into the core's buffers before each)."""
-    target = tiny_target("llama", seed=2)
+    (sampled rounds: the same noise drawn into the core's buffers before each). The target ties its LM head to its
+    embeddings, as SmolLM2 does: one weight input, in the child as in the caller."""
+    target = tiny_target("llama", seed=2, tied=True)
+    assert target.lm_head.weight is target.model.embed_tokens.weight
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
     sampling = Sampling.from_generation_config(GenerationConfig(**settings))
     core = RoundCore(target, drafter, 1, 64, sampling, (2,))
