@@ -184,9 +184,10 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         drafter = load_class(spec["drafter_class"])._from_config(spec["drafter_config"], dtype=dtypes["drafter"])
     target, drafter = target.to_empty(device=device).eval(), drafter.to_empty(device=device).eval()
     target.tie_weights()  # to_empty gives every parameter its own storage; the caller's tied ones are one input
-    with torch.no_grad():  # values are irrelevant to the compiled code; only keep them finite
-        for tensor in list(target.parameters()) + list(target.buffers()) + list(drafter.parameters()):
-            tensor.zero_()
+    with torch.no_grad():  # values are irrelevant to the compiled code; only keep them finite (the check compares)
+        for module in (target, drafter):
+            for tensor in (*module.parameters(), *module.buffers()):
+                tensor.zero_()
     drafter.attach(target)
     if weights_signature(target, drafter) != spec["weights"]:
         ours, theirs = weights_signature(target, drafter), spec["weights"]
