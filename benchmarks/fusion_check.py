@@ -23,7 +23,7 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
-    from dflash2.benchmarks.bench import synchronize
+    from dflash2.benchmarks.speed import timed
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,11 +44,8 @@ def main(argv=None):
                   cache_implementation="static", assistant_model=drafter)
 
     def call(ids, **extra):
-        synchronize(device)
-        started = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), **common, **extra)
-        synchronize(device)
-        return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
+        out, seconds = timed(target, ids, device, attention_mask=torch.ones_like(ids), **common, **extra)
+        return out[0, ids.shape[1]:].tolist(), seconds
 
     started = time.perf_counter()
     _, first = call(encoded[0], compile="background")

@@ -68,9 +68,10 @@ def main(argv=None):
     parser.add_argument("--skip-humaneval", type=int, default=100, help="HumanEval prompts to leave out first")
     parser.add_argument("--skip-mtbench", type=int, default=40, help="MT-Bench prompts to leave out first")
     parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
-    parser.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
+    fusion = parser.add_mutually_exclusive_group()
+    fusion.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
                         "compiled on the first call, captured as a CUDA graph")
-    parser.add_argument("--background-fusion", action="store_true",
+    fusion.add_argument("--background-fusion", action="store_true",
                         help="DFlash 2 with compile='background': unfused at once, the round compiled ahead of time "
                              "in a child process and switched to when ready (generation/fusion.py)")
     parser.add_argument("--methods", default="dflash2,plain",
@@ -180,7 +181,7 @@ def main(argv=None):
 
     # ---- the round's device time against its wall time (batch 1, one prompt, EOS ignored)
     if "round" in sections and runner is not None:
-        measure_round(results, call, encoded, drafter, runner, device)
+        measure_round(results, call, encoded, drafter, device)
         save(results, args.out)
     if "sweep" in sections and args.sweep:
         results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
@@ -209,7 +210,7 @@ def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def measure_round(results, call, encoded, drafter, runner, device):
+def measure_round(results, call, encoded, drafter, device):
     ids = encoded["humaneval"][0]
     call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
     waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))

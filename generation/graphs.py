@@ -3,9 +3,9 @@
 On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By default the graph holds the round's
 eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
 With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
-caches, so later processes compile faster) and that is captured. With `compile="background"` a package compiled
-ahead of time in a child process replaces the round once it exists (`fusion.py`, `RoundRunner.use_fused`). A replayed graph consults no dynamo guard: a prompt
-of a new length never compiles or captures anything.
+caches, so later processes compile faster) and that is captured. With `compile="background"` a round compiled ahead
+of time in a child process replaces it once it exists (`fusion.py`, `RoundRunner.use_fused`). A replayed graph
+consults no dynamo guard: a prompt of a new length never compiles or captures anything.
 
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
 all when the core is built: an eager prefill of a small target is bound by kernel launches (tens of milliseconds on

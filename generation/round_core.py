@@ -225,9 +225,8 @@ class RoundCore:
         """Encode left-padded prompts [b, P] into both caches and emit each row's first token.
 
         Three steps: `stage_prompt` (the prompt into fixed buffers, left-padded to `prefill_width`), `encode_prompt`
-        (the target and drafter forwards: eager, or `encode()` -- a replay of a graph captured from `encode_prompt(width)`
-        -- when given),
-        `start_decoding` (the first token and the round state)."""
+        (the target and drafter forwards: eager, or `encode()` when given, a replay of a graph captured from
+        `encode_prompt(width)`), `start_decoding` (the first token and the round state)."""
         width, staged = self.stage_prompt(input_ids, attention_mask, max_new_tokens)
         if encode is not None and staged is self.prompt_ids:
             encode()

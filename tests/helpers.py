@@ -118,3 +118,14 @@ def check_sampling_is_exact(settings, draws, **generate_kwargs):
     assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
     for row, step in enumerate((1, 2)):
         assert_follows(counts[row], exact_distribution_of_step(target, ids, step, processors) * draws)
+
+
+def background_equals_plain(target, drafter, ids, max_new_tokens, **settings):
+    """One greedy call with compile="background" (and `settings`, on both sides): its output equals plain greedy.
+    Returns the drafter's one runner."""
+    reference = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **settings)
+    ours = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
+                           cache_implementation="static", compile="background", **settings)
+    assert torch.equal(ours, reference)
+    (runner,) = drafter._round_cores.values()
+    return runner

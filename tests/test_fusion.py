@@ -14,20 +14,10 @@ from transformers import GenerationConfig
 from dflash2.generation import fusion
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.sampling import Sampling
-from helpers import VOCAB, tiny_drafter, tiny_target
+from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="inductor on a CPU needs a C++ compiler")
-
-
-def background_equals_plain(target, drafter, ids, max_new_tokens):
-    """One greedy call with compile="background": its output equals plain greedy. Returns the drafter's one runner."""
-    reference = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    ours = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
-                           cache_implementation="static", compile="background")
-    assert torch.equal(ours, reference)
-    (runner,) = drafter._round_cores.values()
-    return runner
 
 
 @pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_p=0.9)],

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VOCAB, tiny_drafter, tiny_target
+from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.gpu
 SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
@@ -44,12 +44,7 @@ def test_background_fusion_switches_to_the_captured_package(tmp_path, monkeypatc
     prompts = [torch.randint(4, VOCAB, (1, n), device="cuda") for n in (3, 17, 29, 8)]
 
     def both(ids):
-        reference = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
-        out = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, assistant_model=drafter,
-                              cache_implementation="static", compile="background")
-        assert torch.equal(out, reference)
-        (runner,) = drafter._round_cores.values()
-        return runner
+        return background_equals_plain(target, drafter, ids, 40, eos_token_id=None)
 
     runner = both(prompts[0])
     assert runner.kind == "graph (eager kernels)"

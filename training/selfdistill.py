@@ -65,8 +65,6 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
     encoded = [prompt_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
     sampled = [temperature > 0] * len(encoded) if sampled is None else list(sampled)
-    if any(sampled) and temperature <= 0:
-        raise ValueError(f"sampled answers need a temperature > 0 (got {temperature})")
     rows: list[dict | None] = [None] * len(encoded)
     numbered = []  # (number of the batch among those of its kind, batch)
     for kind in (False, True):
