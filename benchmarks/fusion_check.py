@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -55,7 +56,9 @@ def main(argv=None):
         building.append((call(encoded[len(building) % len(encoded)], compile="background")[1], runner.kind))
     build = time.perf_counter() - started
     memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    _, switch = call(encoded[0], compile="background")
+    with warnings.catch_warnings(record=True) as caught:  # a refused package says why
+        warnings.simplefilter("always")
+        _, switch = call(encoded[0], compile="background")
     memory = torch.cuda.memory_allocated(device) - memory if device.type == "cuda" else None
     times = sorted(s for s, _ in building)
     unfused = [call(ids) for ids in encoded]
@@ -68,7 +71,8 @@ def main(argv=None):
                                  "median_s": round(times[len(times) // 2], 4) if times else None,
                                  "max_s": round(times[-1], 4) if times else None},
               "switch_call_s": round(switch, 3), "switch_memory_mb": None if memory is None else
-              round(memory / 2 ** 20, 1), "kind": runner.kind,
+              round(memory / 2 ** 20, 1), "kind": runner.kind, "fusion_state": runner.fusion.state,
+              "switch_warnings": [str(w.message) for w in caught],
               "failure": runner.fusion.job.failure() if runner.fusion.job is not None else None,
               "unfused_s": [round(s, 4) for _, s in unfused], "fused_s": [round(s, 4) for _, s in fused],
               "unfused_tokens": sum(len(ids) for ids, _ in unfused), "fused_tokens": sum(len(ids) for ids, _ in fused),

@@ -20,18 +20,20 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="inductor on a CPU needs a C++ compiler")
 
 
-@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_p=0.9)],
-                         ids=["greedy", "sampled"])
-def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
+@pytest.mark.parametrize("settings,bucketed", [(dict(do_sample=False), True),
+                                              (dict(do_sample=True, temperature=0.8, top_p=0.9), False)],
+                         ids=["greedy-bucketed-prefill", "sampled"])
+def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings, bucketed):
     """Built from the configs alone (uninitialised weights), the package runs rounds over our weights and buffers:
     five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats
     (sampled rounds: the same noise drawn into the core's buffers before each). The target ties its LM head to its
-    embeddings, as SmolLM2 does: one weight input, in the child as in the caller."""
+    embeddings, as SmolLM2 does: one weight input, in the child as in the caller. With a bucketed prefill (as the
+    graph runner on CUDA has it) the core's prompt buffers are wider: the child builds them as wide."""
     target = tiny_target("llama", seed=2, tied=True)
     assert target.lm_head.weight is target.model.embed_tokens.weight
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
     sampling = Sampling.from_generation_config(GenerationConfig(**settings))
-    core = RoundCore(target, drafter, 1, 64, sampling, (2,))
+    core = RoundCore(target, drafter, 1, 64, sampling, (2,), bucketed_prefill=bucketed)
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)
     path = tmp_path / "fused.round"
@@ -54,6 +56,22 @@ def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings):
         else:
             assert torch.equal(tensor, eager[name]), name
     assert int(core.rounds[0]) >= 5 and int(core.output_length[0]) > 5
+
+
+def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
+    """State tensors the child's core lacks (or shapes it builds otherwise) would fail the compiled round's guards in
+    the caller: the child says so before compiling anything, and publishes nothing."""
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,),
+                     bucketed_prefill=True)
+    ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    core.prefill(ids, torch.ones_like(ids), 40)
+    spec = fusion.spec_of(core)
+    spec["bucketed_prefill"] = False  # as a spec from before the flag was carried
+    with pytest.raises(RuntimeError, match="other state tensors"):
+        fusion.build_package(spec, tmp_path / "fused.round")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
@@ -177,3 +195,36 @@ def test_compile_takes_only_the_documented_values():
     with pytest.raises(ValueError, match="compile='later'"):
         target.generate(torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter,
                         cache_implementation="static", compile="later")
+
+
+def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wrong_round():
+    """`agreement` compares one round eager and fused: integer state exactly, floating state by relative error (tight
+    in fp32, looser in half precision). A round that flips a token once (a near tie) is followed by another check;
+    one that differs every round is refused, naming what differed. The core's state is as before either way."""
+    assert fusion.differs("x", torch.ones(8) * (1 + 1e-2), torch.ones(8)) is not None  # fp32: 1e-2 is too far
+    assert fusion.differs("x", torch.ones(8, dtype=torch.bfloat16) * 1.01, torch.ones(8, dtype=torch.bfloat16)) is None
+    assert fusion.differs("x", -torch.ones(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)) is not None
+    assert "1 values differ" in fusion.differs("t", torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]))
+
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), 40)
+    program = fusion.RoundProgram(core)
+    before = [t.clone() for t in program.state()]
+    calls = []
+
+    def flips(times):
+        def fused():
+            core.round()
+            calls.append(1)
+            if len(calls) <= times:
+                core.anchor.add_(1)
+        return fused
+
+    assert fusion.agreement(core, program, flips(1)) == [] and len(calls) == 2
+    calls.clear()
+    differences = fusion.agreement(core, program, flips(10))
+    assert len(calls) == fusion.CHECK_ROUNDS and differences == ["anchor: 1 values differ"]
+    assert all(torch.equal(a, b) for a, b in zip(before, program.state()))
