@@ -61,7 +61,7 @@ def main(argv=None):
         _, switch = call(encoded[0], compile="background")
     memory = torch.cuda.memory_allocated(device) - memory if device.type == "cuda" else None
     times = sorted(s for s, _ in building)
-    unfused = [call(ids) for ids in encoded]
+    unfused = [call(ids, compile=False) for ids in encoded]
     fused = [call(ids, compile="background") for ids in encoded]
     report = {"command": command_line("dflash2.benchmarks.fusion_check", argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -72,8 +72,11 @@ def main(argv=None):
     fusion.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
                         "compiled on the first call, captured as a CUDA graph")
     fusion.add_argument("--background-fusion", action="store_true",
-                        help="DFlash 2 with compile='background': unfused at once, the round compiled ahead of time "
-                             "in a child process and switched to when ready (generation/fusion.py)")
+                        help="DFlash 2 with compile='background' (the default on one CUDA device): unfused at once, "
+                             "the round compiled ahead of time in a child process and switched to when ready "
+                             "(generation/fusion.py)")
+    fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
+                        "round's kernels (on a CPU: the eager round)")
     parser.add_argument("--methods", default="dflash2,plain",
                         help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
                              "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
@@ -105,17 +108,14 @@ def main(argv=None):
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
                                **({"compile": True} if args.compile else {}),
-                               **({"compile": "background"} if args.background_fusion else {}))}
+                               **({"compile": "background"} if args.background_fusion else {}),
+                               **({"compile": False} if args.no_fusion else {}))}
     results = {"settings": {"command": command_line("dflash2.benchmarks.speed", argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
                             "max_new_tokens": args.max_new_tokens, "prompts": {k: len(v) for k, v in prompts.items()},
                             "skip": {"humaneval": args.skip_humaneval, "mtbench": args.skip_mtbench},
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
-
-    def runner_kind():
-        entries = getattr(drafter, "_round_cores", {})
-        return next((runner.kind for runner in entries.values() if runner.core.batch == 1), None)
 
     def call(method, ids, **extra):
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
@@ -134,14 +134,14 @@ def main(argv=None):
         cold[method] = {"first_call_s": round(seconds, 3), "tokens": tokens,
                         "since_process_start_s": round(time.perf_counter() - PROCESS_STARTED, 2)}
         if method == "dflash2":
-            cold[method]["round"] = runner_kind()
+            cold[method]["round"] = round_kind(drafter, 1)
         for task, items in encoded.items():
             for index, ids in enumerate(items):
                 _, seconds, tokens, _ = call(method, ids)
                 first_pass.append({"method": method, "task": task, "s": round(seconds, 4), "tokens": tokens,
                                    "prompt": index + (args.skip_humaneval if task == "humaneval" else
                                                       args.skip_mtbench),
-                                   "round": runner_kind() if method == "dflash2" else None})
+                                   "round": round_kind(drafter, 1) if method == "dflash2" else None})
     results["cold_start"] = {"order": order, **cold}
     results["first_pass"] = first_pass
     print("cold start:", json.dumps(results["cold_start"]), flush=True)
@@ -189,6 +189,13 @@ def main(argv=None):
     if "batches" in sections and args.batch_sizes:
         results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
     return finish(results, args.out)
+
+
+def round_kind(drafter, batch: int) -> str | None:
+    """How the rounds of the (last built) core for `batch` rows run: "graph (eager kernels)", "graph (fused ahead of
+    time)", ..."""
+    kinds = [runner.kind for runner in getattr(drafter, "_round_cores", {}).values() if runner.core.batch == batch]
+    return kinds[-1] if kinds else None
 
 
 def settle(drafter, again) -> float:
@@ -292,11 +299,15 @@ def batches(args, encoded, target, drafter, device, methods, common, pad, select
         for method in [m for m in ("dflash2", "plain") if m in selected]:
             kwargs = dict(attention_mask=mask, **common, **methods[method])
             target.generate(ids, **{**kwargs, "max_new_tokens": 16})  # compile / capture for this batch size
+            waited = settle(drafter, lambda: target.generate(ids, **{**kwargs, "max_new_tokens": 16})) if (
+                method == "dflash2") else 0.0  # a package building for this batch bucket: wait, then switch
             out, seconds = timed(target, ids, device, **kwargs)
             tokens = new_tokens(out[:, ids.shape[1]:], pad)
             entry[method] = {"s": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
             if method == "dflash2":
                 entry[method]["tau"] = round(drafter.last_stats.acceptance_length, 3)
+                entry[method]["round"] = round_kind(drafter, 1 << (ids.shape[0] - 1).bit_length())
+                entry[method].update({"waited_for_package_s": waited} if waited else {})
         if len(entry) == 2:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
         table[str(batch)] = entry

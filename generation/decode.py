@@ -116,10 +116,13 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     cores = drafter.__dict__.setdefault("_round_cores", {})
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    # compile="background": as without compile, until a package compiled ahead of time replaces it (fusion.py).
+    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (fusion.py).
+    # The default (None): "background" where rounds are captured (one CUDA device), False elsewhere.
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "
-                         "it ahead of time in a child process while decoding unfused), or False.")
+                         "it ahead of time in a child process while decoding unfused), or False (never fuse).")
+    if compile is None:
+        compile = "background" if graphs else False
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
     key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background")
     runner = cores.get(key)

@@ -16,6 +16,10 @@
 #                                          # on tiny models (the GPU test)
 #   bash scripts/h200_session.sh fusion    # one GPU: compile="background" -- fusion_check, then a second process
 #   bash scripts/h200_session.sh plain     # one GPU: compiled plain decoding (cold, steady, sweep)
+#   bash scripts/h200_session.sh tiny      # one GPU, no target (a staging call): the GPU tests on tiny models
+#   bash scripts/h200_session.sh verify    # one GPU: the fp32 default-target tests (eager-kernel graph; the default
+#                                          # loop after its switch to the round fused ahead of time)
+#   bash scripts/h200_session.sh batch8    # one GPU: batch 8, the default DFlash 2 loop, then plain batched generate
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -93,8 +97,24 @@ fusion)  # one GPU, compile="background" on the default target: fusion_check (fi
   ;;
 plain)  # one GPU: compiled plain decoding, the comparison for `fusion` (cold start, steady state, sweep)
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
-  step speed-plain 230 -m dflash2.benchmarks.speed --device cuda --methods plain --sections cold,steady,sweep \
+  step speed-plain 320 -m dflash2.benchmarks.speed --device cuda --methods plain --sections cold,steady,sweep \
     --out "$S/speed-plain.json"
+  ;;
+tiny)  # one GPU, no target needed (a staging call)
+  step gpu-tiny 240 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k "tiny or background"
+  ;;
+verify)  # one GPU, fp32, the default target: the eager-kernel graph, then the default loop fused ahead of time
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  step gpu-default-target 540 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging \
+    -k default_target
+  ;;
+batch8)  # one GPU: batch 8 rows (natural ends, 256 new tokens), the default DFlash 2 loop (its batch-8 package built
+         # first), then plain batched generate with a static cache, in two processes one after the other
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  export DFLASH2_CACHE=/tmp/dflash2-cache
+  speed=(-m dflash2.benchmarks.speed --device cuda --sections batches --batch-sizes 8)
+  step batch8-dflash2 260 "${speed[@]}" --methods dflash2 --out "$S/batch8-dflash2.json"
+  step batch8-plain 200 "${speed[@]}" --methods plain --out "$S/batch8-plain.json"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

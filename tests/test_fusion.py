@@ -228,3 +228,22 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
     differences = fusion.agreement(core, program, flips(10))
     assert len(calls) == fusion.CHECK_ROUNDS and differences == ["anchor: 1 values differ"]
     assert all(torch.equal(a, b) for a, b in zip(before, program.state()))
+
+
+@pytest.mark.parametrize("graphs,compile,background", [(True, None, True), (False, None, False), (True, False, False),
+                                                       (False, "background", True), (True, True, False)])
+def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypatch, graphs, compile, background):
+    """compile=None (the default) means "background" on one CUDA device (rounds captured: `graphs`) and False
+    elsewhere; an explicit choice is kept. (The runner and the child are stand-ins: this checks the choice alone.)"""
+    from dflash2.generation import decode
+
+    made = []
+    monkeypatch.setattr(decode, "RoundRunner", lambda core, mode, capture: type("Runner", (), dict(
+        core=core, mode=mode, fusion=None))())
+    monkeypatch.setattr(decode, "BackgroundFusion", lambda runner: made.append(runner) or "building")
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    sampling = Sampling.from_generation_config(GenerationConfig(do_sample=False))
+    runner = decode.round_runner_for(target, drafter, 1, 40, sampling, (2,), compile, graphs)
+    assert (runner.fusion == "building") is background and len(made) == int(background)
+    assert runner.mode == ("compile" if compile is True else ("graph" if graphs else "eager"))

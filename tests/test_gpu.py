@@ -57,9 +57,10 @@ def test_background_fusion_switches_to_the_captured_package(tmp_path, monkeypatc
     both(prompts[3])
 
 
-def test_graph_loop_equals_plain_greedy_on_the_default_target():
-    """The real target in fp32, 10 HumanEval and 10 MT-Bench prompts past the first ones: the graph loop (batch 1 and
-    batch 4) equals plain greedy token for token."""
+@pytest.fixture(scope="module")
+def default_pair_fp32():
+    """The real target and the drafter in fp32 on the GPU, 10 HumanEval and 10 MT-Bench prompts past the first ones,
+    and plain greedy's output for each (128 new tokens)."""
     from dflash2.generation import DFlash2Drafter, load_target
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -76,6 +77,12 @@ def test_graph_loop_equals_plain_greedy_on_the_default_target():
     greedy = dict(max_new_tokens=128, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, p)], device="cuda") for p in prompts]
     plain = [target.generate(ids, attention_mask=torch.ones_like(ids), **greedy) for ids in encoded]
+    return target, tokenizer, drafter, greedy, encoded, plain
+
+
+def test_graph_loop_equals_plain_greedy_on_the_default_target(default_pair_fp32):
+    """The graph loop of eager kernels (batch 1 and batch 4, left-padded) equals plain greedy token for token."""
+    target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
     graph, taus = [], []
     for ids in encoded:
         graph.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
@@ -94,6 +101,28 @@ def test_graph_loop_equals_plain_greedy_on_the_default_target():
             want = plain[begin + row][0, x.shape[1]:].tolist()
             batched_equal += out[row, width: width + len(want)].tolist() == want
     equal = sum(map(torch.equal, graph, plain))
-    print(f"\n[gpu fp32] {len(prompts)} prompts, tau {sum(taus) / len(taus):.2f}; identical to plain greedy: graph loop "
-          f"batch 1 {equal}/{len(prompts)}, batch 4 {batched_equal}/{len(prompts)}")
-    assert equal == len(prompts) and batched_equal == len(prompts)
+    print(f"\n[gpu fp32] {len(encoded)} prompts, tau {sum(taus) / len(taus):.2f}; identical to plain greedy: graph loop "
+          f"batch 1 {equal}/{len(encoded)}, batch 4 {batched_equal}/{len(encoded)}")
+    assert equal == len(encoded) and batched_equal == len(encoded)
+
+
+def test_default_loop_fused_ahead_of_time_equals_plain_greedy_on_the_default_target(default_pair_fp32, tmp_path,
+                                                                                     monkeypatch):
+    """The default (compile=None: fused in the background) after its switch: the round compiled ahead of time by the
+    child for this fp32 pair, captured, equals plain greedy token for token on the 20 prompts."""
+    target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    drafter.__dict__.pop("_round_cores", None)
+    target.generate(encoded[0], attention_mask=torch.ones_like(encoded[0]), assistant_model=drafter,
+                    cache_implementation="static", **greedy)  # the first call starts the child
+    runner = next(r for r in drafter._round_cores.values() if r.fusion is not None)
+    runner.fusion.job.wait(timeout=400)
+    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+    fused, kinds = [], set()
+    for ids in encoded:
+        fused.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                     cache_implementation="static", **greedy))
+        kinds.add(runner.kind)
+    equal = sum(map(torch.equal, fused, plain))
+    print(f"\n[gpu fp32] fused ahead of time ({sorted(kinds)}): identical to plain greedy {equal}/{len(encoded)}")
+    assert kinds == {"graph (fused ahead of time)"} and equal == len(encoded)
