@@ -115,7 +115,8 @@ def command_generate(args) -> None:
         check_model_arguments(args)
     except UsageError as error:
         fail(str(error))
-    print("dflash2: loading the target and the drafter (about 20 s for the default pair on a 2-core CPU)",
+    print("dflash2: loading the target and the drafter (the default pair on a 2-core CPU: about 20 s the first time, "
+          "when the GGUF target is converted and kept in dflash2's cache; about 1 s later)",
           file=sys.stderr, flush=True)
     target, tokenizer, drafter = load_pair(args, check=False)
     device = drafter.device

@@ -183,7 +183,7 @@ def resolve_target_location(name_or_path: str) -> str:
 
 def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map=None):
     """The target model and tokenizer: `target` (+ `gguf_file`) if given, else the one a drafter config names
-    (`target_name_or_path`, `target_gguf_file`)."""
+    (`target_name_or_path`, `target_gguf_file`). A local GGUF file is converted once per dtype (`converted_target`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = target or getattr(config, "target_name_or_path", None)
@@ -196,9 +196,90 @@ def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map
     if gguf_file and os.path.isdir(location) and not os.path.isfile(os.path.join(location, gguf_file)):
         raise FileNotFoundError(f"No GGUF file {gguf_file} in {location} (the target {name}). Check the file name "
                                 "(gguf_file= / --gguf-file), or reinstall the package that holds it.")
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
     if dtype in (None, "auto"):
         dtype = torch.float32 if device_map in (None, "cpu") and not torch.cuda.is_available() else torch.bfloat16
+    if gguf_file and os.path.isfile(os.path.join(location, gguf_file)):
+        return converted_target(Path(location) / gguf_file, dtype, device_map)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
     tokenizer = AutoTokenizer.from_pretrained(location, **extra)
     return model, tokenizer
+
+
+CONVERTED_FORMAT = 1  # bump when what a converted folder holds changes
+
+
+def converted_target(gguf_path: Path, dtype: torch.dtype, device_map=None):
+    """A GGUF target, dequantised by transformers on its first load (20-40 s for SmolLM2-135M, the tokenizer rebuilt
+    from the file's vocabulary) and saved in `dtype` as an ordinary model folder under `<cache_root>/targets`, so later
+    loads read safetensors (about a second). The folder's name holds the file's path, size and modification time, the
+    dtype and the transformers version: a changed file or another version converts again. The folder appears
+    atomically once complete; a failure to write it only warns. `DFLASH2_CONVERT_GGUF=0` turns this off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = converted_folder(gguf_path, dtype)
+    if folder is not None and (folder / "config.json").is_file():
+        return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map),
+                AutoTokenizer.from_pretrained(folder))
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+                                                 device_map=device_map)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if folder is not None and device_map in (None, "cpu"):
+        save_converted(model, tokenizer, folder)
+    return model, tokenizer
+
+
+def converted_folder(gguf_path: Path, dtype: torch.dtype) -> Path | None:
+    if os.environ.get("DFLASH2_CONVERT_GGUF", "1") == "0":
+        return None
+    import hashlib
+
+    import transformers
+
+    from .fusion import cache_root
+
+    stat = gguf_path.stat()
+    described = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
+                            transformers.__version__, CONVERTED_FORMAT])
+    key = hashlib.sha256(described.encode()).hexdigest()[:16]
+    return cache_root() / "targets" / f"{gguf_path.stem}.{str(dtype).split('.')[-1]}.{key}"
+
+
+def save_converted(model, tokenizer, folder: Path) -> None:
+    """`model` (its weights, config and generation config; each tied weight once) and `tokenizer` saved into `folder`,
+    which appears only once complete (written beside it, then renamed). transformers refuses `save_pretrained` on a
+    model loaded from GGUF (its quantization config), though its weights are plain tensors: they are written directly,
+    and the config without that entry."""
+    import copy
+    import shutil
+    import tempfile
+    import warnings
+
+    from safetensors.torch import save_file
+
+    scratch = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(scratch)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(scratch)
+        weights, seen = {}, set()
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() not in seen:  # a tied weight under its first name (the input embeddings)
+                seen.add(tensor.data_ptr())
+                weights[name] = tensor.detach().to("cpu").contiguous()
+        save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(scratch)
+        os.replace(scratch, folder)  # fails if another process got there first: theirs is as good
+        scratch = None
+    except Exception as error:  # noqa: BLE001 - keeping the conversion is an optimisation: never fail the load
+        if not (folder / "config.json").is_file():
+            warnings.warn(f"DFlash 2: could not keep the converted target in {folder} ({type(error).__name__}: "
+                          f"{error}); the next load converts the GGUF file again.", stacklevel=3)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

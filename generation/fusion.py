@@ -1,4 +1,5 @@
-"""Fused rounds without waiting (`compile="background"`): the round compiled ahead of time in a child process.
+"""Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the round compiled ahead of
+time in a child process.
 
 The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
 CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
@@ -134,10 +135,15 @@ class RoundProgram(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ the package
+def cache_root() -> Path:
+    """dflash2's cache folder: `DFLASH2_CACHE`, else ~/.cache/dflash2 (or under `XDG_CACHE_HOME`). What it holds can be
+    deleted at any time; it is rebuilt when needed."""
+    return Path(os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash2"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash2")
-    return Path(root) / "fused-rounds"
+    return cache_root() / "fused-rounds"
 
 
 def spec_of(core: RoundCore) -> dict:
@@ -283,28 +289,56 @@ def child_main(spec_file: str, path: str) -> None:
 # ------------------------------------------------------------------------------------------------ in the caller
 class BackgroundFusion:
     """One runner's fused round: a package on disk already, or a child process building it. `poll` (after a prefill,
-    so the caches exist and the check runs on a real prompt) switches the runner over once the package is there."""
+    so the caches exist and the check runs on a real prompt) switches the runner over once the package is there.
+
+    A build that fails leaves a note beside where its package would be (`<key>.failed`): later processes with the same
+    shapes, code and versions do not start it again (an upgrade changes the key); deleting the note retries."""
 
     def __init__(self, runner):
         spec = spec_of(runner.core)
         self.path = cache_dir() / f"{package_key(spec)}.round"
-        self.job = None if self.path.exists() else FusionJob(spec, self.path)
-        self.state = "building" if self.job is not None else "ready"
+        self.note = self.path.with_suffix(".failed")
+        self.job = None
+        if self.path.exists():
+            self.state = "ready"
+        elif self.note.exists():
+            self.state = "failed before"
+        else:
+            self.job, self.state = FusionJob(spec, self.path), "building"
 
     def poll(self, runner) -> None:
+        if self.state == "failed before":
+            self.state = "failed"
+            reason = self.note.read_text().strip().splitlines()[0] if self.note.exists() else "no note"
+            warnings.warn(f"DFlash 2: an earlier build of this fused round failed ({reason}); decoding with the "
+                          f"unfused round. Delete {self.note} to try again, or pass compile=False to skip fusion.",
+                          stacklevel=4)
+            return
         if self.state not in ("building", "ready") or (self.job is not None and not self.job.ready()):
             return
         failure = self.job.failure() if self.job is not None else None
         if failure is not None:
             self.state = "failed"
+            write_atomically(self.note, f"{failure}\nlog: {self.job.log}\n")
             warnings.warn(f"DFlash 2: building the fused round failed ({failure}); decoding with the unfused round. "
-                          f"Log: {self.job.log}", stacklevel=4)
+                          f"Log: {self.job.log}. Later processes will not build it again until {self.note} is "
+                          "deleted; compile=False skips fusion.", stacklevel=4)
             return
         fused = load_fused_round(runner.core, self.path)
         self.state = "used" if fused is not None else "failed"
         if fused is not None:
             with preserved(runner.core):  # a capture's warm-up runs advance the state
                 runner.use_fused(fused)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path`, which appears whole or not at all (an unwritable folder only loses the note)."""
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def load_fused_round(core: RoundCore, path: Path):

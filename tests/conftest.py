@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Before torch and transformers are imported:
@@ -14,6 +16,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# - dflash2's cache (converted GGUF targets, fused rounds) goes to a folder of this run, removed at its end: the tests
+#   never write into the user's ~/.cache, and every test after the first that loads the default target reads its
+#   converted folder instead of dequantising the GGUF file again (tests that check the cache itself set their own).
+OWN_CACHE = None if "DFLASH2_CACHE" in os.environ else tempfile.mkdtemp(prefix="dflash2-tests-cache-")
+if OWN_CACHE is not None:
+    os.environ["DFLASH2_CACHE"] = OWN_CACHE
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,3 +37,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if OWN_CACHE is not None:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)

@@ -145,6 +145,19 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
         warnings.simplefilter("error")  # once only
         both(prompts[2])
     assert not list(tmp_path.rglob("*.round"))
+    # a later process (a fresh set of cores) does not build it again: it says why, once, and how to retry
+    note = runner.fusion.note
+    assert note.is_file() and "exit" in note.read_text()
+    drafter.__dict__.pop("_round_cores")
+    with pytest.warns(UserWarning, match="an earlier build of this fused round failed .* Delete"):
+        runner = both(prompts[0])
+    assert runner.fusion.job is None and runner.fusion.state == "failed"
+    note.unlink()  # the way to retry: the next fresh set of cores starts a child again
+    drafter.__dict__.pop("_round_cores")
+    runner = both(prompts[1])
+    assert runner.fusion.state == "building"
+    runner.fusion.job.process.kill()
+    runner.fusion.job.wait()
 
 
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
