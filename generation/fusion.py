@@ -280,10 +280,16 @@ class FusionJob:
 
 
 def child_main(spec_file: str, path: str) -> None:
-    """The child's entry: the spec from `spec_file`; its folder is the scratch space (the caller removes it)."""
-    with open(spec_file, "rb") as f:
-        spec = pickle.load(f)
-    build_package(spec, Path(path), Path(spec_file).parent)
+    """The child's entry: the spec from `spec_file`; its folder is the scratch space. The caller removes it when it
+    sees the child end; the child removes it too, since it finishes its build even when the caller has exited first
+    (the next process then finds the round)."""
+    scratch = Path(spec_file).parent
+    try:
+        with open(spec_file, "rb") as f:
+            spec = pickle.load(f)
+        build_package(spec, Path(path), scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ in the caller

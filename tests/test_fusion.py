@@ -4,8 +4,10 @@ then used; a second process finds the package.
 
 Inductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
 
+import os
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +116,47 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     runner = both(prompts[3])
     assert runner.fusion.job is None and runner.kind == "fused ahead of time"
     assert len(list(tmp_path.rglob("*.round"))) == 1
+
+
+def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
+    """A script that makes one call and exits before the child is done: the child still builds and publishes the round
+    (and removes its scratch folder), and the next process uses it from its first call."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "once.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "from helpers import VOCAB, tiny_drafter, tiny_target\n"
+        "target = tiny_target('llama', seed=8)\n"
+        "drafter = tiny_drafter(target, seed=9, block_size=4).attach(target)\n"
+        "ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))\n"
+        "target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,\n"
+        "                cache_implementation='static', compile='background')\n"
+        "(runner,) = drafter._round_cores.values()\n"
+        "print(runner.fusion.state)\n")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "DFLASH2_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "building", done.stderr[-2000:]
+    folder = cache / "fused-rounds"
+    deadline = time.monotonic() + 600
+    while not list(folder.glob("*.round")) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(list(folder.glob("*.round"))) == 1, [p.read_text()[-2000:] for p in folder.glob("*.log")]
+    deadline = time.monotonic() + 60  # the child's last step after publishing: its scratch folder
+    while [p for p in folder.iterdir() if p.name.startswith(".")] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(cache))
+    target = tiny_target("llama", seed=8)
+    drafter = tiny_drafter(target, seed=9, block_size=4).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))
+    runner = background_equals_plain(target, drafter, ids, 12)
+    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
 
 
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):

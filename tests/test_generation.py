@@ -270,7 +270,8 @@ FRESH_PROCESS = textwrap.dedent("""
     assert drafter.last_stats.target_forwards > 0
     # (a') compile="background": the child that compiles the round imports these flat remote-code files too
     import os, tempfile
-    os.environ["DFLASH2_CACHE"] = tempfile.mkdtemp()
+    # a fresh folder inside the run's own cache (removed with it)
+    os.environ["DFLASH2_CACHE"] = tempfile.mkdtemp(dir=os.environ.get("DFLASH2_CACHE"))
     for attempt in range(2):
         out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter,
                               cache_implementation="static", compile="background")
