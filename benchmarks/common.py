@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
@@ -227,3 +228,25 @@ def write_report(report: dict, out) -> None:
 def command_line(module: str, argv) -> str:
     """How this benchmark was called, for its report."""
     return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def round_kind(drafter, batch: int) -> str | None:
+    """How the rounds of the (last built) core for `batch` rows run: "graph (eager kernels)", "graph (fused ahead of
+    time)", ..."""
+    kinds = [runner.kind for runner in getattr(drafter, "_round_cores", {}).values() if runner.core.batch == batch]
+    return kinds[-1] if kinds else None
+
+
+def settle(drafter, again) -> float:
+    """compile="background" (the default on one CUDA device): wait for every child still building a fused round, then
+    `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. (The
+    switch-over itself is fusion_check's measure.) Returns the seconds waited (0 when nothing was building)."""
+    jobs = [r.fusion.job for r in getattr(drafter, "_round_cores", {}).values()
+            if r.fusion is not None and r.fusion.state == "building" and r.fusion.job is not None]
+    if not jobs:
+        return 0.0
+    started = time.perf_counter()
+    for job in jobs:
+        job.wait()
+    again()
+    return round(time.perf_counter() - started, 1)

@@ -29,6 +29,8 @@ PROCESS_STARTED = time.perf_counter()
 
 import torch  # noqa: E402
 
+from dflash2.benchmarks.common import round_kind, settle  # noqa: E402
+
 
 def timed(target, ids, device, **kwargs):
     torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -189,28 +191,6 @@ def main(argv=None):
     if "batches" in sections and args.batch_sizes:
         results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
     return finish(results, args.out)
-
-
-def round_kind(drafter, batch: int) -> str | None:
-    """How the rounds of the (last built) core for `batch` rows run: "graph (eager kernels)", "graph (fused ahead of
-    time)", ..."""
-    kinds = [runner.kind for runner in getattr(drafter, "_round_cores", {}).values() if runner.core.batch == batch]
-    return kinds[-1] if kinds else None
-
-
-def settle(drafter, again) -> float:
-    """compile="background": wait for every child still building a package, then `again()` (a call) switches to it.
-    The switch-over itself is fusion_check's measure; the round measure and the sweep time fused rounds. Returns the
-    seconds waited (0 when nothing was building)."""
-    jobs = [r.fusion.job for r in getattr(drafter, "_round_cores", {}).values()
-            if r.fusion is not None and r.fusion.state == "building" and r.fusion.job is not None]
-    if not jobs:
-        return 0.0
-    started = time.perf_counter()
-    for job in jobs:
-        job.wait()
-    again()
-    return round(time.perf_counter() - started, 1)
 
 
 def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
