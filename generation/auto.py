@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .configuration_dflash2 import DFlash2Config
-from .export import export_drafter
+from .export import atomic_folder, export_drafter
 from .hooks import attach, detach
 from .modeling_dflash2 import DFlash2DraftModel
 
@@ -246,40 +246,29 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype) -> Path | None:
 
 
 def save_converted(model, tokenizer, folder: Path) -> None:
-    """`model` (its weights, config and generation config; each tied weight once) and `tokenizer` saved into `folder`,
-    which appears only once complete (written beside it, then renamed). transformers refuses `save_pretrained` on a
-    model loaded from GGUF (its quantization config), though its weights are plain tensors: they are written directly,
-    and the config without that entry."""
+    """`model` (its weights, config and generation config; each tied weight once) and `tokenizer` saved into `folder`
+    atomically (`atomic_folder`). transformers refuses `save_pretrained` on a model loaded from GGUF (its quantization
+    config), though its weights are plain tensors: they are written directly, and the config without that entry."""
     import copy
-    import shutil
-    import tempfile
     import warnings
 
     from safetensors.torch import save_file
 
-    scratch = None
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        config = copy.deepcopy(model.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(scratch)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(scratch)
-        weights, seen = {}, set()
-        for name, tensor in model.state_dict().items():
-            if tensor.data_ptr() not in seen:  # a tied weight under its first name (the input embeddings)
-                seen.add(tensor.data_ptr())
-                weights[name] = tensor.detach().to("cpu").contiguous()
-        save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(scratch)
-        os.replace(scratch, folder)  # fails if another process got there first: theirs is as good
-        scratch = None
+        with atomic_folder(folder) as staging:
+            config = copy.deepcopy(model.config)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(staging)
+            if model.generation_config is not None:
+                model.generation_config.save_pretrained(staging)
+            weights, seen = {}, set()
+            for name, tensor in model.state_dict().items():
+                if tensor.data_ptr() not in seen:  # a tied weight under its first name (the input embeddings)
+                    seen.add(tensor.data_ptr())
+                    weights[name] = tensor.detach().to("cpu").contiguous()
+            save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save_pretrained(staging)
     except Exception as error:  # noqa: BLE001 - keeping the conversion is an optimisation: never fail the load
-        if not (folder / "config.json").is_file():
-            warnings.warn(f"DFlash 2: could not keep the converted target in {folder} ({type(error).__name__}: "
-                          f"{error}); the next load converts the GGUF file again.", stacklevel=3)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        warnings.warn(f"DFlash 2: could not keep the converted target in {folder} ({type(error).__name__}: {error}); "
+                      "the next load converts the GGUF file again.", stacklevel=3)

@@ -51,11 +51,15 @@ def weights_signature(target, drafter) -> list:
     return [(name, list(t.shape), str(t.dtype)) for name, t in round_weights(target, drafter).items()]
 
 
+def core_tensor_names(core: RoundCore) -> list[str]:
+    """The core's own tensors, by name: the state inputs of a compiled round before its caches', in this order."""
+    return sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
+
+
 def state_signature(core: RoundCore) -> list:
-    """(name, shape, dtype) of each tensor of the core itself (the state inputs before its caches', in that order;
-    the caches are sized by the prefill, from the capacity alone)."""
-    return [(name, list(value.shape), str(value.dtype)) for name, value in sorted(vars(core).items())
-            if isinstance(value, torch.Tensor)]
+    """(name, shape, dtype) of each tensor of the core itself (the caches are sized by the prefill, from the capacity
+    alone)."""
+    return [(name, list(getattr(core, name).shape), str(getattr(core, name).dtype)) for name in core_tensor_names(core)]
 
 
 def first_differences(ours: list, theirs: list) -> list:
@@ -89,7 +93,7 @@ class RoundProgram(torch.nn.Module):
         super().__init__()
         self._core = [core]  # in lists: not submodules, so the program has no parameters or buffers
         self._round = [_Round(self)]
-        self._state = sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
+        self._state = core_tensor_names(core)
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
             raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
@@ -113,7 +117,8 @@ class RoundProgram(torch.nn.Module):
 
     def state_names(self) -> list[str]:
         """A name for each tensor of `state()`, in its order."""
-        return [*self._state, *(f"{side}_cache.{kind}[{layer}]" for side, cache in zip(("target", "draft"), self._caches)
+        caches = zip(("target", "draft"), self._caches)
+        return [*self._state, *(f"{side}_cache.{kind}[{layer}]" for side, cache in caches
                                 for kind in ("keys", "values") for layer in range(len(cache.keys)))]
 
     def inputs(self) -> tuple:
