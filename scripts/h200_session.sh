@@ -21,6 +21,8 @@
 #                                          # loop after its switch to the round fused ahead of time)
 #   bash scripts/h200_session.sh batch8    # one GPU: the default loop's cold start from an empty cache; batch 8, the
 #                                          # default loop then plain batched generate; a later process's cold start
+#   bash scripts/h200_session.sh batch8-one  # one GPU, one process: batch 8, the default loop and plain batched
+#                                            # generate (static cache), median of three warm calls each
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -124,6 +126,12 @@ batch8)  # one GPU, four processes sharing one DFLASH2_CACHE (empty at the start
   step batch8-plain 170 "${speed[@]}" --sections batches --batch-sizes 8 --methods plain --out "$S/batch8-plain.json"
   ls -la "$DFLASH2_CACHE"/* > "$S/cache.txt" 2>&1
   step later-process 80 "${speed[@]}" --methods dflash2 --quick --out "$S/later-process.json"
+  ;;
+batch8-one)  # one GPU, one process: batch 8, the default loop (its batch-8 round fused first) and plain batched
+             # generate with a static cache, each warmed up with the timed call, median of three calls
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  step batch8-both 400 -m dflash2.benchmarks.speed --device cuda --sections batches --batch-sizes 8 \
+    --methods dflash2,plain --out "$S/batch8-both.json"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
