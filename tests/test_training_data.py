@@ -1,11 +1,13 @@
 """Self-distillation options (greedy / sampled / both / mix, conversations, time limit), the held-out split by prompt,
 ShareGPT later turns as prompts, and the `dflash2 train` options that reach the trainer."""
 
+import contextlib
 import importlib.util
 import json
 import random
 
 import pytest
+import torch
 
 from training_helpers import save_tiny_target, write_prompt_file
 from dflash2.cli import build_parser
@@ -44,6 +46,7 @@ def test_distill_options_from_the_command_line():
         ["train", "--target", "t", "--prompts", "p", "--out", "o", *a]), "gen-")
     assert parse()["answers"] == "greedy" and parse()["cache"] == "dynamic"
     assert parse("--gen-cache", "static")["cache"] == "static"
+    assert parse("--gen-cache", "paged")["cache"] == "paged"
     sampled = parse("--gen-temperature", "0.7", "--gen-seed", "5")
     assert (sampled["answers"], sampled["temperature"], sampled["seed"]) == ("sampled", 0.7, 5)
     assert parse("--gen-answers", "mix")["temperature"] == 0.8
@@ -91,6 +94,73 @@ def test_a_static_cache_gives_the_same_greedy_answers(tiny):
     static = distill(target, tokenizer, prompts, cache="static", **options)
     assert [r["input_ids"] for r in static] == [r["input_ids"] for r in dynamic]
     assert [r["prompt_length"] for r in static] == [r["prompt_length"] for r in dynamic]
+
+
+def test_paged_answers_equal_the_dynamic_cache_greedy_and_sample_valid_rows(tiny):
+    """`--cache paged` (transformers' continuous batching, no padding): greedy answers token for token as the dynamic
+    cache's; sampled answers are whole rows (prompt kept, ended at EOS or the limit) and differ from the greedy ones."""
+    target, tokenizer, prompts = tiny
+    options = dict(max_new_tokens=10, batch_size=5, progress=False)
+    dynamic = distill(target, tokenizer, prompts, answers="greedy", **options)
+    paged = distill(target, tokenizer, prompts, answers="greedy", cache="paged", **options)
+    assert [r["input_ids"] for r in paged] == [r["input_ids"] for r in dynamic]
+    assert [r["prompt_length"] for r in paged] == [r["prompt_length"] for r in dynamic]
+    sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="paged", **options)
+    eos = tokenizer.eos_token_id
+    for row, greedy in zip(sampled, dynamic):
+        assert row["sampled"] and row["input_ids"][:row["prompt_length"]] == greedy["input_ids"][:greedy["prompt_length"]]
+        answer = row["input_ids"][row["prompt_length"]:]
+        assert 1 <= len(answer) <= 10 and eos not in answer[:-1]
+    assert [r["input_ids"] for r in sampled] != [r["input_ids"] for r in dynamic]
+
+
+def test_grouped_decode_attention_equals_sdpa_with_repeated_keys():
+    """The folded decoding step against transformers' sdpa (keys and values repeated per group), with a left-padding
+    mask, boolean and additive; a prefill (several query positions) goes to sdpa itself."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash2.training.selfdistill import grouped_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    batch, kv_heads, length, dim = 4, 2, 9, 8
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
+    keep = torch.ones(batch, length, dtype=torch.bool)
+    keep[1, :3] = keep[3, :6] = False  # left padding
+    for mask in (keep[:, None, None, :], torch.where(keep, 0.0, float("-inf"))[:, None, None, :]):
+        query = torch.randn(batch, kv_heads * 3, 1, dim, generator=generator)
+        ours, _ = grouped_decode_attention(module, query, key, value, mask, scaling=dim ** -0.5)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+        assert ours.shape == theirs.shape == (batch, 1, kv_heads * 3, dim)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    query = torch.randn(batch, kv_heads * 3, 5, dim, generator=generator)
+    torch.testing.assert_close(grouped_decode_attention(module, query, key, value, None)[0],
+                               sdpa_attention_forward(module, query, key, value, None)[0])
+
+
+def test_grouped_decode_answers_equal_sdpa_answers_and_restore_the_model(tiny):
+    """Self-distillation answers (left-padded batches of a grouped-query target) are the same token for token with the
+    folded decoding step as with transformers' sdpa, and the target's attention is sdpa again afterwards."""
+    from dflash2.training import selfdistill
+
+    target, tokenizer, prompts = tiny
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    options = dict(answers="greedy", max_new_tokens=12, batch_size=5, progress=False)
+    assert target.config._attn_implementation == "sdpa"
+    folded = []
+    with pytest.MonkeyPatch.context() as patch:
+        original = selfdistill.grouped_decode_attention
+        patch.setattr(selfdistill, "grouped_decode_attention",
+                      lambda module, query, *args, **kwargs: folded.append(query.shape[2]) or original(
+                          module, query, *args, **kwargs))
+        ours = distill(target, tokenizer, prompts, **options)
+    assert folded.count(1) > 0 and target.config._attn_implementation == "sdpa"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(selfdistill, "grouped_decode", lambda model: contextlib.nullcontext())
+        theirs = distill(target, tokenizer, prompts, **options)
+    assert [r["input_ids"] for r in ours] == [r["input_ids"] for r in theirs]
 
 
 def test_a_gzipped_prompt_file_reads_the_same(tmp_path):

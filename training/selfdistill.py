@@ -12,6 +12,7 @@ process writes. (Or, without torchrun, one process per shard with `--shard i/n`,
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -58,7 +59,8 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     seconds: the prompts left unanswered get None (batches of both kinds run in one seeded random order, so a cut
     drops a random set of batches, not the longest prompts nor one kind). `cache="static"`: a cache of fixed size
     (transformers compiles its decoding on a GPU), each batch left-padded to a multiple of 128 columns so that few
-    shapes occur; "dynamic": transformers' default, each batch as wide as its longest prompt.
+    shapes occur; "dynamic": transformers' default, each batch as wide as its longest prompt; "paged": transformers'
+    continuous batching (`generate_batch`), no padding, and a row that ends makes room for another prompt of the batch.
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -80,6 +82,15 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     for number, batch in iterator:
         if time_limit_s is not None and time.time() - started >= time_limit_s:
             break
+        if sampled[batch[0]]:
+            torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
+        if cache == "paged":
+            answers = paged_answers(target, [encoded[i] for i in batch], max_new_tokens, pad_id, eos_ids,
+                                    temperature if sampled[batch[0]] else 0.0, top_p)
+            for index, answer in zip(batch, answers):
+                cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
+                rows[index] = {"input_ids": encoded[index] + answer[:cut], "prompt_length": len(encoded[index])}
+            continue
         width = max(len(encoded[i]) for i in batch)
         if cache == "static":
             width = -(-width // 128) * 128
@@ -91,16 +102,79 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
             attention_mask[row, width - len(ids):] = 1
         sampling = dict(do_sample=False)
         if sampled[batch[0]]:
-            torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
-                              **({"cache_implementation": "static"} if cache == "static" else {}))
+        with grouped_decode(target):
+            out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
+                                  **({"cache_implementation": "static"} if cache == "static" else {}))
         for row, index in enumerate(batch):
             answer = out[row, width:].tolist()
             cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
             rows[index] = {"input_ids": encoded[index] + answer[:cut], "prompt_length": len(encoded[index])}
     return rows
+
+
+GROUPED_DECODE = "grouped_decode_sdpa"  # (a name containing "flash" would be taken for a flash kernel)
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             is_causal=None, **kwargs):
+    """transformers' sdpa attention, except in a decoding step (one query position) of a grouped-query layer.
+
+    There the query heads that share a key/value head are folded into the query-length axis: query (B, H, 1, D) is
+    read as (B, H_kv, G, D), so keys and values are used as they are. transformers' sdpa copies them G times
+    (`repeat_kv`) whenever a padding mask is present, which took about 45 % of an H200's time answering left-padded
+    batches of 1536 (session 8 profile). Exact: every folded query row sees the same (batch, key) mask row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_length, dim = query.shape
+    if q_length != 1 or groups == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    folded = query.reshape(batch, heads // groups, groups, dim)  # head h reads key/value head h // groups
+    mask = attention_mask[:, :, :, : key.shape[2]] if attention_mask is not None else None  # (B, 1, 1, L)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)  # (B, H_kv, G, D)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_decode(target):
+    """Within: `target` (an sdpa model) attends with `grouped_decode_attention` (with sdpa's masks: a name without a
+    registered mask function gets no mask at all); its implementation is restored after."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    before = getattr(target.config, "_attn_implementation", None)
+    if before != "sdpa":
+        yield
+        return
+    AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
+    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+    target.set_attn_implementation(GROUPED_DECODE)
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(before)
+
+
+def paged_answers(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: list[int],
+                  temperature: float, top_p: float) -> list[list[int]]:
+    """One batch through transformers' continuous batching: the new tokens of each prompt, in order (greedy when
+    temperature is 0). A request that comes back failed or missing is an error, never a short answer."""
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(
+        do_sample=False)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                              eos_token_id=eos_ids, **sampling)
+    outputs = list(target.generate_batch(inputs=prompts, generation_config=config, progress_bar=False).values())
+    failed = [o.request_id for o in outputs if o.error is not None]
+    if len(outputs) != len(prompts) or failed:
+        raise RuntimeError(f"continuous batching answered {len(outputs) - len(failed)} of {len(prompts)} prompts "
+                           f"(failed: {failed[:5]}); use --cache dynamic")
+    return [list(o.generated_tokens) for o in outputs]
 
 
 def answer_plan(num_prompts: int, answers: str, seed: int = 0, mix_fraction: float = 0.5,
@@ -214,9 +288,10 @@ def add_distill_arguments(parser, prefix: str = "") -> None:
                         help="prompt tokens kept (a conversation drops its oldest turns first)")
     parser.add_argument(f"--{prefix}time-limit", type=float, default=None,
                         help="seconds: start no new batch after this (each process); unanswered prompts are left out")
-    parser.add_argument(f"--{prefix}cache", default="dynamic", choices=("dynamic", "static"),
-                        help="the target's cache while answering: transformers' dynamic cache, or a static one "
-                             "(compiled decoding on a GPU; batches padded to multiples of 128 columns)")
+    parser.add_argument(f"--{prefix}cache", default="dynamic", choices=("dynamic", "static", "paged"),
+                        help="the target's cache while answering: transformers' dynamic cache, a static one "
+                             "(compiled decoding on a GPU; batches padded to multiples of 128 columns), or paged "
+                             "(transformers' continuous batching: no padding, ended rows make room for others)")
 
 
 def distill_options(args, prefix: str = "") -> dict:
