@@ -1,6 +1,7 @@
 """Where a self-distillation decode step goes on a GPU (issue #13: one H200 answers about 5,000 tokens/s at batch 1536
 and 512 new tokens, about 155 ms per step). Times one left-padded batch of prompt-file prompts through
-`answer_prompts` (the dynamic cache) at two answer lengths, and profiles a short one (top CUDA kernels).
+`answer_prompts` (the dynamic cache; decoding steps folded by `grouped_decode_attention` since session 8) at two
+answer lengths, and profiles a short one (top CUDA kernels).
 
     python scripts/profile_distill_step.py .carry/prompts.jsonl.gz [BATCH]
 """
