@@ -88,8 +88,7 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
             answers = paged_answers(target, [encoded[i] for i in batch], max_new_tokens, pad_id, eos_ids,
                                     temperature if sampled[batch[0]] else 0.0, top_p)
             for index, answer in zip(batch, answers):
-                cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
-                rows[index] = {"input_ids": encoded[index] + answer[:cut], "prompt_length": len(encoded[index])}
+                rows[index] = answered_row(encoded[index], answer, eos_ids)
             continue
         width = max(len(encoded[i]) for i in batch)
         if cache == "static":
@@ -108,10 +107,14 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
                                   max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
                                   **({"cache_implementation": "static"} if cache == "static" else {}))
         for row, index in enumerate(batch):
-            answer = out[row, width:].tolist()
-            cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
-            rows[index] = {"input_ids": encoded[index] + answer[:cut], "prompt_length": len(encoded[index])}
+            rows[index] = answered_row(encoded[index], out[row, width:].tolist(), eos_ids)
     return rows
+
+
+def answered_row(prompt: list[int], answer: list[int], eos_ids: list[int]) -> dict:
+    """A data row: the prompt and its answer up to and including the first EOS."""
+    cut = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
+    return {"input_ids": prompt + answer[:cut], "prompt_length": len(prompt)}
 
 
 GROUPED_DECODE = "grouped_decode_sdpa"  # (a name containing "flash" would be taken for a flash kernel)
