@@ -16,7 +16,8 @@
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
 # MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after),
-# DISTILL_CACHE (dynamic; static: compiled decoding over a fixed-size cache; paged: continuous batching, no padding);
+# DISTILL_CACHE (dynamic; compact: our loop that drops ended rows; static: compiled decoding over a fixed-size cache;
+# paged: continuous batching, no padding);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),

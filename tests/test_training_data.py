@@ -47,6 +47,7 @@ def test_distill_options_from_the_command_line():
     assert parse()["answers"] == "greedy" and parse()["cache"] == "dynamic"
     assert parse("--gen-cache", "static")["cache"] == "static"
     assert parse("--gen-cache", "paged")["cache"] == "paged"
+    assert parse("--gen-cache", "compact")["cache"] == "compact"
     sampled = parse("--gen-temperature", "0.7", "--gen-seed", "5")
     assert (sampled["answers"], sampled["temperature"], sampled["seed"]) == ("sampled", 0.7, 5)
     assert parse("--gen-answers", "mix")["temperature"] == 0.8
@@ -112,6 +113,70 @@ def test_paged_answers_equal_the_dynamic_cache_greedy_and_sample_valid_rows(tiny
         answer = row["input_ids"][row["prompt_length"]:]
         assert 1 <= len(answer) <= 10 and eos not in answer[:-1]
     assert [r["input_ids"] for r in sampled] != [r["input_ids"] for r in dynamic]
+
+
+def test_compact_answers_equal_the_dynamic_cache_greedy_and_drop_ended_rows(tiny):
+    """`--cache compact`: greedy answers token for token as `generate`'s, also when rows end at many different steps
+    and the loop drops them from the batch and its cache; sampled rows are whole and differ from the greedy ones."""
+    from transformers import DynamicCache
+
+    from dflash2.training.selfdistill import answered_row, compact_answers, left_padded
+
+    target, tokenizer, prompts = tiny
+    options = dict(max_new_tokens=10, batch_size=5, progress=False)
+    dynamic = distill(target, tokenizer, prompts, answers="greedy", **options)
+    compact = distill(target, tokenizer, prompts, answers="greedy", cache="compact", **options)
+    assert [r["input_ids"] for r in compact] == [r["input_ids"] for r in dynamic]
+    # end rows early: take as "EOS" tokens that the greedy answers reach at different steps
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    input_ids, attention_mask = left_padded(encoded, tokenizer.eos_token_id)
+    plain = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False,
+                            pad_token_id=tokenizer.eos_token_id)[:, input_ids.shape[1]:].tolist()
+    eos_ids = sorted({answer[step] for answer, step in zip(plain, [2, 5, 9, 13] * 3)})
+    ends = [next((i for i, t in enumerate(answer) if t in eos_ids), 16) for answer in plain]
+    assert len(set(ends)) >= 3, ends
+    kept = []
+    with pytest.MonkeyPatch.context() as patch:
+        select = DynamicCache.batch_select_indices
+        patch.setattr(DynamicCache, "batch_select_indices",
+                      lambda cache, indices: kept.append(len(indices)) or select(cache, indices))
+        ours = compact_answers(target, encoded, 16, tokenizer.eos_token_id, eos_ids)
+    assert len(kept) >= 2 and kept == sorted(kept, reverse=True) and kept[-1] < len(encoded)
+    assert [answered_row(p, a, eos_ids) for p, a in zip(encoded, ours)] == [
+        answered_row(p, a, eos_ids) for p, a in zip(encoded, plain)]
+    sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="compact", **options)
+    eos = tokenizer.eos_token_id
+    for row, greedy in zip(sampled, dynamic):
+        assert row["input_ids"][:row["prompt_length"]] == greedy["input_ids"][:greedy["prompt_length"]]
+        answer = row["input_ids"][row["prompt_length"]:]
+        assert 1 <= len(answer) <= 10 and eos not in answer[:-1]
+    assert [r["input_ids"] for r in sampled] != [r["input_ids"] for r in dynamic]
+
+
+def test_next_tokens_samples_the_nucleus_in_proportion():
+    """`next_tokens` against a naive per-row nucleus: samples fall only inside it (the likeliest tokens whose mass
+    first reaches top_p), at frequencies near the renormalised probabilities; temperature 0 is the argmax."""
+    from dflash2.training.selfdistill import next_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=generator) * 2
+    assert next_tokens(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+    temperature, top_p, draws = 0.7, 0.8, 20000
+    torch.manual_seed(0)
+    samples = torch.stack([next_tokens(logits, temperature, top_p) for _ in range(draws)], dim=1)  # (3, draws)
+    for row in range(3):
+        probs = torch.softmax(logits[row] / temperature, -1).tolist()
+        nucleus, mass = [], 0.0
+        for token in sorted(range(12), key=lambda t: -probs[t]):
+            nucleus.append(token)
+            mass += probs[token]
+            if mass >= top_p:
+                break
+        counts = torch.bincount(samples[row], minlength=12).tolist()
+        assert {t for t in range(12) if counts[t]} <= set(nucleus)
+        for token in nucleus:
+            expected = probs[token] / mass
+            assert abs(counts[token] / draws - expected) < 4 * (expected * (1 - expected) / draws) ** 0.5 + 1e-3
 
 
 def test_grouped_decode_attention_equals_sdpa_with_repeated_keys():
