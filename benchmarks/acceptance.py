@@ -29,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=None, help="per task; default: every prompt of the task")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature above 0)")
     parser.add_argument("--out", default=None, help="write per-prompt results as JSON here")
+    parser.add_argument("--no-fusion", action="store_true", help="compile=False: no round is fused in the background "
+                        "(the drafts and τ are the same; several measuring processes then share a GPU without "
+                        "compiling children)")
     args = parser.parse_args(argv)
     tasks = args.task.split(",")
     skips = [int(s) for s in args.skip.split(",")]
@@ -52,6 +55,7 @@ def main(argv=None):
             ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=drafter.device)
             target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                             cache_implementation="static", max_new_tokens=args.max_new_tokens,
+                            **({"compile": False} if args.no_fusion else {}),
                             pad_token_id=tokenizer.eos_token_id, **sampling)
             stats = drafter.last_stats
             tokens += stats.completion_tokens

@@ -15,9 +15,8 @@
 #                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
-# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (1536 per GPU), DISTILL_S (300: no new batch after),
-# DISTILL_CACHE (dynamic; compact: our loop that drops ended rows; static: compiled decoding over a fixed-size cache;
-# paged: continuous batching, no padding);
+# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (2048 per GPU), DISTILL_S (300: no new batch after),
+# DISTILL_CACHE (auto: training/decoding.py's in-place loop for Llama-family targets; dynamic: transformers' generate);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
@@ -64,8 +63,8 @@ data)
   SECONDS=0
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-1536}" \
-    --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-dynamic}" 2>&1 | quiet | tee "$OUT/distill.log"
+    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-2048}" \
+    --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
   echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
     | tee -a "$OUT/distill.log"
@@ -115,10 +114,11 @@ measure)
   for v in 2 1; do [ -e "/tmp/run$v/drafter/config.json" ] && drafters[d$v]="/tmp/run$v/drafter"; done
   SECONDS=0; i=0
   for name in "${!drafters[@]}"; do
-    for t in 0 1; do
+    for t in ${MEASURE_T:-0 1}; do
       (export CUDA_VISIBLE_DEVICES=$((i % gpus))
-       timeout 400 python3 -m dflash2.benchmarks.acceptance --task humaneval,mtbench --skip 100,40 --num-prompts 10 \
-         --max-new-tokens 256 --temperature "$t" --drafter "${drafters[$name]}" --device "$DEVICE" \
+       timeout "${MEASURE_TIMEOUT:-300}" python3 -m dflash2.benchmarks.acceptance --task humaneval,mtbench \
+         --skip 100,40 --num-prompts 10 --max-new-tokens 256 --temperature "$t" --drafter "${drafters[$name]}" \
+         --device "$DEVICE" --no-fusion \
          --out "$S_LOG/tau-$name-T$t.json" 2>&1 | quiet > "$S_LOG/tau-$name-T$t.log"
        echo "tau $name T=$t: exit ${PIPESTATUS[0]}: $(grep '"tau"' "$S_LOG/tau-$name-T$t.log" | tr '\n' ' ')") &
       i=$((i + 1))

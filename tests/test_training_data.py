@@ -44,10 +44,9 @@ def test_answer_plans():
 def test_distill_options_from_the_command_line():
     parse = lambda *a: distill_options(build_parser().parse_args(  # noqa: E731
         ["train", "--target", "t", "--prompts", "p", "--out", "o", *a]), "gen-")
-    assert parse()["answers"] == "greedy" and parse()["cache"] == "dynamic"
-    assert parse("--gen-cache", "static")["cache"] == "static"
-    assert parse("--gen-cache", "paged")["cache"] == "paged"
-    assert parse("--gen-cache", "compact")["cache"] == "compact"
+    assert parse()["answers"] == "greedy" and parse()["cache"] == "auto"
+    assert parse("--gen-cache", "dynamic")["cache"] == "dynamic"
+    assert parse("--gen-cache", "inplace")["cache"] == "inplace"
     sampled = parse("--gen-temperature", "0.7", "--gen-seed", "5")
     assert (sampled["answers"], sampled["temperature"], sampled["seed"]) == ("sampled", 0.7, 5)
     assert parse("--gen-answers", "mix")["temperature"] == 0.8
@@ -87,64 +86,39 @@ def test_a_time_limit_cuts_greedy_and_sampled_batches_alike(tiny, monkeypatch):
     assert 8 <= len(rows) <= 14 and 3 <= sum(kinds) <= len(kinds) - 3, kinds
 
 
-def test_a_static_cache_gives_the_same_greedy_answers(tiny):
-    """`--cache static` (widths padded to multiples of 128, a fixed-size cache) answers exactly as the dynamic cache."""
-    target, tokenizer, prompts = tiny
-    options = dict(answers="greedy", max_new_tokens=10, batch_size=4, progress=False)
-    dynamic = distill(target, tokenizer, prompts, **options)
-    static = distill(target, tokenizer, prompts, cache="static", **options)
-    assert [r["input_ids"] for r in static] == [r["input_ids"] for r in dynamic]
-    assert [r["prompt_length"] for r in static] == [r["prompt_length"] for r in dynamic]
-
-
-def test_paged_answers_equal_the_dynamic_cache_greedy_and_sample_valid_rows(tiny):
-    """`--cache paged` (transformers' continuous batching, no padding): greedy answers token for token as the dynamic
-    cache's; sampled answers are whole rows (prompt kept, ended at EOS or the limit) and differ from the greedy ones."""
-    target, tokenizer, prompts = tiny
-    options = dict(max_new_tokens=10, batch_size=5, progress=False)
-    dynamic = distill(target, tokenizer, prompts, answers="greedy", **options)
-    paged = distill(target, tokenizer, prompts, answers="greedy", cache="paged", **options)
-    assert [r["input_ids"] for r in paged] == [r["input_ids"] for r in dynamic]
-    assert [r["prompt_length"] for r in paged] == [r["prompt_length"] for r in dynamic]
-    sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="paged", **options)
-    eos = tokenizer.eos_token_id
-    for row, greedy in zip(sampled, dynamic):
-        assert row["sampled"] and row["input_ids"][:row["prompt_length"]] == greedy["input_ids"][:greedy["prompt_length"]]
-        answer = row["input_ids"][row["prompt_length"]:]
-        assert 1 <= len(answer) <= 10 and eos not in answer[:-1]
-    assert [r["input_ids"] for r in sampled] != [r["input_ids"] for r in dynamic]
-
-
-def test_compact_answers_equal_the_dynamic_cache_greedy_and_drop_ended_rows(tiny):
-    """`--cache compact`: greedy answers token for token as `generate`'s, also when rows end at many different steps
-    and the loop drops them from the batch and its cache; sampled rows are whole and differ from the greedy ones."""
-    from transformers import DynamicCache
-
-    from dflash2.training.selfdistill import answered_row, compact_answers, left_padded
+def test_inplace_answers_equal_generate_greedy_and_drop_ended_rows(tiny):
+    """`--cache inplace` (the default for Llama-family targets): greedy answers token for token as `generate`'s (the
+    dynamic cache), also when rows end at many different steps and the loop drops them from the batch and its cache;
+    sampled rows are whole and differ from the greedy ones."""
+    from dflash2.training import decoding
+    from dflash2.training.selfdistill import answered_row
 
     target, tokenizer, prompts = tiny
     options = dict(max_new_tokens=10, batch_size=5, progress=False)
-    dynamic = distill(target, tokenizer, prompts, answers="greedy", **options)
-    compact = distill(target, tokenizer, prompts, answers="greedy", cache="compact", **options)
-    assert [r["input_ids"] for r in compact] == [r["input_ids"] for r in dynamic]
+    dynamic = distill(target, tokenizer, prompts, answers="greedy", cache="dynamic", **options)
+    inplace = distill(target, tokenizer, prompts, answers="greedy", cache="inplace", **options)
+    assert [r["input_ids"] for r in inplace] == [r["input_ids"] for r in dynamic]
+    assert distill(target, tokenizer, prompts, answers="greedy", **options) == inplace  # auto: in place
     # end rows early: take as "EOS" tokens that the greedy answers reach at different steps
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
-    input_ids, attention_mask = left_padded(encoded, tokenizer.eos_token_id)
+    assert len({len(p) for p in encoded}) >= 2  # left padding inside the batch
+    input_ids, attention_mask = decoding.left_padded(encoded, tokenizer.eos_token_id)
     plain = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False,
                             pad_token_id=tokenizer.eos_token_id)[:, input_ids.shape[1]:].tolist()
     eos_ids = sorted({answer[step] for answer, step in zip(plain, [2, 5, 9, 13] * 3)})
     ends = [next((i for i, t in enumerate(answer) if t in eos_ids), 16) for answer in plain]
     assert len(set(ends)) >= 3, ends
-    kept = []
+    batch_rows = []
     with pytest.MonkeyPatch.context() as patch:
-        select = DynamicCache.batch_select_indices
-        patch.setattr(DynamicCache, "batch_select_indices",
-                      lambda cache, indices: kept.append(len(indices)) or select(cache, indices))
-        ours = compact_answers(target, encoded, 16, tokenizer.eos_token_id, eos_ids)
-    assert len(kept) >= 2 and kept == sorted(kept, reverse=True) and kept[-1] < len(encoded)
+        forward = decoding.forward_columns
+        patch.setattr(decoding, "forward_columns",
+                      lambda decoder, cache, ids, *a: batch_rows.append(len(ids)) or forward(decoder, cache, ids, *a))
+        ours = decoding.answer_batch(target, encoded, 16, tokenizer.eos_token_id, eos_ids, check_every=2)
+    decoded = batch_rows[1:]  # after the prefill
+    assert decoded == sorted(decoded, reverse=True) and decoded[0] == len(encoded) > decoded[-1], decoded
     assert [answered_row(p, a, eos_ids) for p, a in zip(encoded, ours)] == [
         answered_row(p, a, eos_ids) for p, a in zip(encoded, plain)]
-    sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="compact", **options)
+    sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="inplace", **options)
     eos = tokenizer.eos_token_id
     for row, greedy in zip(sampled, dynamic):
         assert row["input_ids"][:row["prompt_length"]] == greedy["input_ids"][:greedy["prompt_length"]]
@@ -153,10 +127,47 @@ def test_compact_answers_equal_the_dynamic_cache_greedy_and_drop_ended_rows(tiny
     assert [r["input_ids"] for r in sampled] != [r["input_ids"] for r in dynamic]
 
 
+def test_inplace_answers_of_a_qwen3_target_equal_generate(tmp_path):
+    """Qwen3 normalises queries and keys per head (q_norm, k_norm): the in-place loop does too."""
+    from dflash2.generation import load_target
+
+    save_tiny_target(tmp_path / "target", arch="qwen3")
+    write_prompt_file(tmp_path / "prompts.jsonl", 7, conversations=2)
+    target, tokenizer = load_target(target=str(tmp_path / "target"))
+    prompts = read_prompts(tmp_path / "prompts.jsonl")
+    options = dict(answers="greedy", max_new_tokens=12, batch_size=4, progress=False)
+    assert distill(target, tokenizer, prompts, cache="inplace", **options) == distill(
+        target, tokenizer, prompts, cache="dynamic", **options)
+
+
+def test_a_target_the_inplace_loop_does_not_know_answers_through_generate():
+    """`supports` names the fix; `auto` answers such a target with `generate`, `inplace` refuses it in one error."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dflash2.training import decoding
+    from dflash2.training.selfdistill import answer_prompts
+
+    target = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64,
+                                        bos_token_id=1, eos_token_id=1)).eval()
+    why = decoding.supports(target)
+    assert "gpt2" in why and "--cache dynamic" in why
+
+    class Tokenizer:
+        pad_token_id, eos_token_id, chat_template = 0, 1, None
+
+        def __call__(self, text):
+            return {"input_ids": [2 + len(word) % 30 for word in text.split()]}
+
+    rows = answer_prompts(target, Tokenizer(), ["a bb ccc", "dddd e"], max_new_tokens=3, progress=False)
+    assert all(len(row["input_ids"]) > row["prompt_length"] for row in rows)
+    with pytest.raises(ValueError, match="--cache dynamic"):
+        answer_prompts(target, Tokenizer(), ["a bb"], max_new_tokens=3, progress=False, cache="inplace")
+
+
 def test_next_tokens_samples_the_nucleus_in_proportion():
     """`next_tokens` against a naive per-row nucleus: samples fall only inside it (the likeliest tokens whose mass
     first reaches top_p), at frequencies near the renormalised probabilities; temperature 0 is the argmax."""
-    from dflash2.training.selfdistill import next_tokens
+    from dflash2.training.decoding import next_tokens
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 12, generator=generator) * 2
@@ -212,7 +223,7 @@ def test_grouped_decode_answers_equal_sdpa_answers_and_restore_the_model(tiny):
 
     target, tokenizer, prompts = tiny
     assert target.config.num_key_value_heads < target.config.num_attention_heads
-    options = dict(answers="greedy", max_new_tokens=12, batch_size=5, progress=False)
+    options = dict(answers="greedy", max_new_tokens=12, batch_size=5, progress=False, cache="dynamic")
     assert target.config._attn_implementation == "sdpa"
     folded = []
     with pytest.MonkeyPatch.context() as patch:
@@ -330,6 +341,34 @@ def test_train_options_reach_the_trainer(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no checkpoint"):
         recipe.run(build_parser().parse_args(["train", "--target", args.target, "--prompts", args.prompts, "--data",
                                               args.data, "--out", str(tmp_path / "fresh"), "--resume"]))
+
+
+def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, monkeypatch):
+    """`--init-from` keeps the folder's block size unless --block-size names another; the weights are the folder's
+    either way (no weight depends on the block size)."""
+    from dflash2.generation import export_drafter, load_target
+    from dflash2.training import recipe, trainer
+
+    from helpers import tiny_drafter
+
+    save_tiny_target(tmp_path / "target")
+    write_prompt_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"input_ids": list(range(4, 30)), "prompt_length": 5}) + "\n" for _ in range(6)))
+    target, _ = load_target(target=str(tmp_path / "target"))
+    start = tiny_drafter(target, block_size=4)
+    export_drafter(start, tmp_path / "start")
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda drafter, *a, **k: seen.append(
+        (drafter.config.block_size, {n: w.clone() for n, w in drafter.state_dict().items()})) or [])
+    common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--data",
+              str(tmp_path / "data.jsonl"), "--held-out", "2", "--device", "cpu", "--init-from", str(tmp_path / "start")]
+    recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "same")]))
+    recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "longer"), "--block-size", "16"]))
+    assert [block_size for block_size, _ in seen] == [4, 16]
+    for _, theirs in seen:
+        for name, weight in start.state_dict().items():
+            torch.testing.assert_close(theirs[name], weight.float(), rtol=0, atol=0)
 
 
 def test_the_exported_drafter_of_block_size_16_loads(tmp_path):

@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2))
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: target's)")
-    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per drafted block (default: the --init-from drafter's, else 8); with --init-from "
+                             "another size continues the same weights at this block size")
     parser.add_argument("--selector-rank", type=int, default=32)
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--num-taps", type=int, default=5)
@@ -152,7 +154,7 @@ def run(args) -> Path:
         target.config,
         num_hidden_layers=args.layers,
         intermediate_size=args.intermediate_size or text.intermediate_size,
-        block_size=args.block_size,
+        block_size=args.block_size or 8,
         dflash_version=args.dflash_version,
         selector_rank=args.selector_rank,
         selector_top_k=args.selector_top_k,
@@ -163,8 +165,9 @@ def run(args) -> Path:
     )
     torch.manual_seed(args.seed)  # the same initialisation in every process
     if args.init_from:
-        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32).bind_target(target)
-        log(json.dumps({"init_from": args.init_from}))
+        resized = {"block_size": args.block_size} if args.block_size else {}  # no weight depends on it
+        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32, **resized).bind_target(target)
+        log(json.dumps({"init_from": args.init_from, "block_size": drafter.config.block_size}))
     else:
         drafter = DFlash2DraftModel(config).bind_target(target)
     train_config = TrainConfig(anchors_per_sequence=args.anchors, unique_anchors=args.unique_anchors,

@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 
 from dflash2.tasks import chat_prompt_ids
+from dflash2.training import decoding
+from dflash2.training.decoding import left_padded
 
 ANSWER_MODES = ("greedy", "sampled", "both", "mix")
+CACHE_MODES = ("auto", "inplace", "dynamic")
 
 
 def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
@@ -49,7 +52,7 @@ def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
 def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, batch_size: int = 64,
                    max_prompt_tokens: int = 256, temperature: float = 0.0, progress: bool = True, top_p: float = 0.95,
                    seed: int | str = 0, time_limit_s: float | None = None,
-                   sampled: list[bool] | None = None, cache: str = "dynamic") -> list[dict | None]:
+                   sampled: list[bool] | None = None, cache: str = "auto") -> list[dict | None]:
     """Generate the target's answers in left-padded batches (prompts sorted by length to waste little padding).
 
     Returns rows {"input_ids": prompt + answer (without padding), "prompt_length": int}, one per prompt. `sampled`
@@ -57,11 +60,9 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     else none); a batch holds only one kind. A sampled batch j samples after seeding torch from (seed, j), so a run is
     reproducible for the same prompts, batch size and seed. With `time_limit_s`, no batch starts after that many
     seconds: the prompts left unanswered get None (batches of both kinds run in one seeded random order, so a cut
-    drops a random set of batches, not the longest prompts nor one kind). `cache="static"`: a cache of fixed size
-    (transformers compiles its decoding on a GPU), each batch left-padded to a multiple of 128 columns so that few
-    shapes occur; "dynamic": transformers' default, each batch as wide as its longest prompt; "paged": transformers'
-    continuous batching (`generate_batch`), no padding, and a row that ends makes room for another prompt of the batch;
-    "compact": `compact_answers`, the dynamic cache in a decoding loop that drops ended rows from the batch.
+    drops a random set of batches, not the longest prompts nor one kind). `cache`: "inplace" decodes with
+    `training.decoding.answer_batch` (Llama-family targets: a cache written in place, ended rows dropped), "dynamic"
+    with transformers' `generate` and its dynamic cache (any model), "auto" (the default) the first where it can.
     """
     device = next(target.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -80,42 +81,31 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
 
         iterator = tqdm(numbered, desc="self-distill", mininterval=5)
     started = time.time()
+    if cache == "auto":
+        cache = "dynamic" if decoding.supports(target) else "inplace"
+    decoder = decoding.decoder_of(target) if cache == "inplace" else None
     for number, batch in iterator:
         if time_limit_s is not None and time.time() - started >= time_limit_s:
             break
         if sampled[batch[0]]:
             torch.manual_seed(random.Random(f"dflash2-sample:{seed}:{number}").getrandbits(63))
-        if cache in ("paged", "compact"):
-            answer = paged_answers if cache == "paged" else compact_answers
-            answers = answer(target, [encoded[i] for i in batch], max_new_tokens, pad_id, eos_ids,
-                             temperature if sampled[batch[0]] else 0.0, top_p)
+        if decoder is not None:
+            answers = decoding.answer_batch(target, [encoded[i] for i in batch], max_new_tokens, pad_id, eos_ids,
+                                            temperature if sampled[batch[0]] else 0.0, top_p, decoder=decoder)
             for index, answer in zip(batch, answers):
                 rows[index] = answered_row(encoded[index], answer, eos_ids)
             continue
-        input_ids, attention_mask = left_padded([encoded[i] for i in batch], pad_id, 128 if cache == "static" else 1)
+        input_ids, attention_mask = left_padded([encoded[i] for i in batch], pad_id)
         width = input_ids.shape[1]
         sampling = dict(do_sample=False)
         if sampled[batch[0]]:
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         with grouped_decode(target):
             out = target.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
-                                  **({"cache_implementation": "static"} if cache == "static" else {}))
+                                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
         for row, index in enumerate(batch):
             rows[index] = answered_row(encoded[index], out[row, width:].tolist(), eos_ids)
     return rows
-
-
-def left_padded(prompts: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), each (len(prompts), width): the prompts right-aligned, the width the longest
-    prompt's length rounded up to a multiple of `multiple`."""
-    width = -(-max(len(p) for p in prompts) // multiple) * multiple
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
-    return input_ids, attention_mask
 
 
 def answered_row(prompt: list[int], answer: list[int], eos_ids: list[int]) -> dict:
@@ -169,80 +159,6 @@ def grouped_decode(target):
         target.set_attn_implementation(before)
 
 
-@torch.no_grad()
-def compact_answers(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: list[int],
-                    temperature: float = 0.0, top_p: float = 1.0, keep_fraction: float = 0.875) -> list[list[int]]:
-    """One left-padded batch decoded step by step over a dynamic cache, dropping the rows that have ended.
-
-    In `generate` a row that ends keeps its place until the batch's longest answer ends: at 512 new tokens the
-    answers averaged about 250 (session 8), so about half of the decoding steps' rows were finished ones. Here, once
-    the rows still running are at most `keep_fraction` of the batch, the batch, its attention mask and its cache
-    (`DynamicCache.batch_select_indices`) keep only them. Greedy (temperature 0) or sampled at `temperature` within
-    the `top_p` nucleus. Returns each prompt's new tokens; tokens after its first EOS are not meaningful."""
-    from transformers import DynamicCache
-
-    from dflash2.modeling_dflash2 import cache_keyword
-
-    device = next(target.parameters()).device
-    input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
-    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate numbers them
-    eos = torch.tensor(eos_ids, device=device)
-    answers = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long, device=device)
-    rows = torch.arange(len(prompts), device=device)  # the prompt of each running row
-    ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    cache = DynamicCache(config=target.config)
-    with grouped_decode(target):
-        for step in range(max_new_tokens):
-            logits = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True, logits_to_keep=1, **{cache_keyword(target): cache}).logits[:, -1].float()
-            tokens = next_tokens(logits, temperature, top_p)  # (rows,)
-            answers[rows, step] = tokens
-            ended |= torch.isin(tokens, eos)
-            running = int((~ended).sum())
-            if running == 0:
-                break
-            if running <= keep_fraction * len(rows):
-                keep = (~ended).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                rows, tokens, ended = rows[keep], tokens[keep], ended[keep]
-                attention_mask, position_ids = attention_mask[keep], position_ids[keep]
-            input_ids = tokens[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-    return answers.tolist()
-
-
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """(rows, vocab) float logits -> (rows,) tokens: the argmax at temperature 0, else a sample from softmax(logits /
-    temperature) restricted to the smallest set of tokens whose probability reaches `top_p` (the likeliest always)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1).squeeze(1)
-
-
-def paged_answers(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: list[int],
-                  temperature: float, top_p: float) -> list[list[int]]:
-    """One batch through transformers' continuous batching: the new tokens of each prompt, in order (greedy when
-    temperature is 0). A request that comes back failed or missing is an error, never a short answer."""
-    from transformers import GenerationConfig
-
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(
-        do_sample=False)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                              eos_token_id=eos_ids, **sampling)
-    outputs = list(target.generate_batch(inputs=prompts, generation_config=config, progress_bar=False).values())
-    failed = [o.request_id for o in outputs if o.error is not None]
-    if len(outputs) != len(prompts) or failed:
-        raise RuntimeError(f"continuous batching answered {len(outputs) - len(failed)} of {len(prompts)} prompts "
-                           f"(failed: {failed[:5]}); use --cache dynamic")
-    return [list(o.generated_tokens) for o in outputs]
-
-
 def answer_plan(num_prompts: int, answers: str, seed: int = 0, mix_fraction: float = 0.5,
                 indices: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Which prompts get a greedy answer and which a sampled one (positions into the prompt list). `mix`: each prompt
@@ -266,7 +182,7 @@ def answer_plan(num_prompts: int, answers: str, seed: int = 0, mix_fraction: flo
 def distill(target, tokenizer, prompts: list, answers: str = "greedy", max_new_tokens: int = 256,
             batch_size: int = 64, max_prompt_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
             seed: int = 0, mix_fraction: float = 0.5, indices: list[int] | None = None, progress: bool = True,
-            time_limit_s: float | None = None, cache: str = "dynamic") -> list[dict]:
+            time_limit_s: float | None = None, cache: str = "auto") -> list[dict]:
     """Answer `prompts` (their indices in the prompt file: `indices`, default 0..n-1) as `answers` asks. Rows
     {"input_ids", "prompt_length", "prompt_index", "sampled"}, ordered by (prompt index, greedy first). Sampled
     answers are reproducible for the same seed, prompts, shard and batch size (not across shard counts: a batch
@@ -354,11 +270,10 @@ def add_distill_arguments(parser, prefix: str = "") -> None:
                         help="prompt tokens kept (a conversation drops its oldest turns first)")
     parser.add_argument(f"--{prefix}time-limit", type=float, default=None,
                         help="seconds: start no new batch after this (each process); unanswered prompts are left out")
-    parser.add_argument(f"--{prefix}cache", default="dynamic", choices=("dynamic", "compact", "static", "paged"),
-                        help="the target's cache while answering: transformers' dynamic cache, compact (the same "
-                             "cache in this module's decoding loop, which drops ended rows from the batch), a static "
-                             "one (compiled decoding on a GPU; batches padded to multiples of 128 columns), or paged "
-                             "(transformers' continuous batching: no padding, ended rows make room for others)")
+    parser.add_argument(f"--{prefix}cache", default="auto", choices=CACHE_MODES,
+                        help="how the target answers: inplace (this project's decoding loop for Llama-family targets: "
+                             "a cache written in place, ended rows dropped from the batch), dynamic (transformers' "
+                             "generate, any model), auto (inplace where it can, else dynamic; the default)")
 
 
 def distill_options(args, prefix: str = "") -> dict:
