@@ -20,11 +20,16 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, load_pair, write_report
-    from dflash2.tasks import TASKS, chat_prompt_ids, task_prompts
+    from dflash2.tasks import TASKS, task_prompts
+    from dflash2.training.selfdistill import prompt_ids
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--task", default="humaneval", help=f"one task or a comma-separated list of {TASKS}")
+    parser.add_argument("--task", default="humaneval", help=f"one task or a comma-separated list of {TASKS}, or "
+                        "prompts (the --prompt-file's prompts)")
+    parser.add_argument("--prompt-file", default=None, help="task `prompts`: a prompt file (python -m "
+                        "dflash2.training.prompts writes them) read in a seeded shuffle, e.g. training-distribution "
+                        "prompts to set the real loop's τ beside the trainer's held-out estimate")
     parser.add_argument("--skip", default="0", help="prompts left out first: one number, or one per task (comma list)")
     parser.add_argument("--num-prompts", type=int, default=None, help="per task; default: every prompt of the task")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature above 0)")
@@ -35,7 +40,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tasks = args.task.split(",")
     skips = [int(s) for s in args.skip.split(",")]
-    if any(task not in TASKS for task in tasks) or len(skips) not in (1, len(tasks)):
+    if "prompts" in tasks and not args.prompt_file:
+        parser.error("--task prompts reads --prompt-file: give one")
+    if any(task not in (*TASKS, "prompts") for task in tasks) or len(skips) not in (1, len(tasks)):
         parser.error(f"--task takes names from {TASKS}, and --skip one number or one per task; got --task "
                      f"{args.task} --skip {args.skip}")
     skips = skips * len(tasks) if len(skips) == 1 else skips
@@ -51,8 +58,12 @@ def main(argv=None):
     for task, skip in zip(tasks, skips):
         tokens = forwards = 0
         per_prompt = []
-        for prompt in tqdm(task_prompts(task, args.num_prompts, skip=skip), desc=task, mininterval=10):
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=drafter.device)
+        if task == "prompts":
+            prompts = file_prompts(args.prompt_file)[skip:][:args.num_prompts]
+        else:
+            prompts = task_prompts(task, args.num_prompts, skip=skip)
+        for prompt in tqdm(prompts, desc=task, mininterval=10):
+            ids = torch.tensor([prompt_ids(tokenizer, prompt, 512)], device=drafter.device)
             target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                             cache_implementation="static", max_new_tokens=args.max_new_tokens,
                             **({"compile": False} if args.no_fusion else {}),
@@ -71,6 +82,18 @@ def main(argv=None):
         print(json.dumps({task: {k: v for k, v in report["tasks"][task].items() if k != "per_prompt"}}), flush=True)
     write_report(report, args.out)
     return report
+
+
+def file_prompts(path) -> list:
+    """The prompts of a prompt file (texts or conversations) in a shuffle seeded by 0, so that a few of them mix its
+    sources."""
+    import random
+
+    from dflash2.training.selfdistill import read_prompts
+
+    prompts = read_prompts(path)
+    random.Random(0).shuffle(prompts)
+    return prompts
 
 
 if __name__ == "__main__":

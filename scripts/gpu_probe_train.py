@@ -47,7 +47,9 @@ generator = torch.Generator().manual_seed(0)
 lengths = torch.randint(args.prompt // 4, args.prompt + 1, (args.rows,), generator=generator).sort().values
 prompts = [torch.randint(10, 49000, (int(n),), generator=generator).tolist() for n in lengths]
 no_eos = [49151]  # random weights: run every row to the limit (the worst case)
-decoding.answer_batch(target, prompts[:64], 16, 2, no_eos)  # warm-up
+graphed = decoding.answer_batch(target, prompts[:64], 32, 2, no_eos)  # also the warm-up
+eager = decoding.answer_batch(target, prompts[:64], 32, 2, no_eos, graphs=False)
+report["graph_equals_eager_rows"] = sum(a == b for a, b in zip(graphed, eager))
 for rows in (args.rows // 2, args.rows):
     sync()
     started = time.perf_counter()
@@ -70,6 +72,8 @@ sync()
 report[f"generate_rows{few}"] = {"new": short, "tokens_per_s": round(few * short / (time.perf_counter() - started))}
 print(json.dumps(report), flush=True)
 torch.cuda.empty_cache() if device.type == "cuda" else None
+if args.train_s <= 0:
+    raise SystemExit(0)
 
 drafter_config = DFlash2Config.for_target(config, num_hidden_layers=args.layers, intermediate_size=1280,
                                           block_size=args.block, selector_rank=16, selector_top_k=16,

@@ -108,14 +108,15 @@ def test_inplace_answers_equal_generate_greedy_and_drop_ended_rows(tiny):
     eos_ids = sorted({answer[step] for answer, step in zip(plain, [2, 5, 9, 13] * 3)})
     ends = [next((i for i, t in enumerate(answer) if t in eos_ids), 16) for answer in plain]
     assert len(set(ends)) >= 3, ends
-    batch_rows = []
+    decoded = []  # rows of each decoding step
     with pytest.MonkeyPatch.context() as patch:
-        forward = decoding.forward_columns
-        patch.setattr(decoding, "forward_columns",
-                      lambda decoder, cache, ids, *a: batch_rows.append(len(ids)) or forward(decoder, cache, ids, *a))
+        step = decoding.decode_step
+        patch.setattr(decoding, "decode_step",
+                      lambda decoder, cache, valid, tokens, *a: decoded.append(len(tokens)) or step(
+                          decoder, cache, valid, tokens, *a))
         ours = decoding.answer_batch(target, encoded, 16, tokenizer.eos_token_id, eos_ids, check_every=2)
-    decoded = batch_rows[1:]  # after the prefill
     assert decoded == sorted(decoded, reverse=True) and decoded[0] == len(encoded) > decoded[-1], decoded
+    assert set(decoded) <= {len(encoded) // 2 ** k for k in range(5)}  # halvings of the batch: few graph shapes
     assert [answered_row(p, a, eos_ids) for p, a in zip(encoded, ours)] == [
         answered_row(p, a, eos_ids) for p, a in zip(encoded, plain)]
     sampled = distill(target, tokenizer, prompts, answers="sampled", temperature=1.5, cache="inplace", **options)
