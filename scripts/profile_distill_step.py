@@ -3,10 +3,10 @@
 
 1. the cost of one decoding step (72 against 8 new tokens, the dynamic cache; decoding steps folded by
    `grouped_decode_attention` since session 8; session 8 measured 126.5 ms at batch 1536 before the fold);
-2. whole answers (up to MAX_NEW tokens) with `--cache dynamic` (transformers' `generate`) and `--cache compact` (this
+2. whole answers (up to MAX_NEW tokens) with `--cache dynamic` (transformers' `generate`) and `--cache inplace` (this
    project's loop that drops ended rows): seconds, response tokens, tokens/s, and how many answers are identical
    (bf16: a row's numbers may change when the batch around it shrinks);
-3. unless --no-profile: the top CUDA kernels of a short compact run.
+3. unless --no-profile: the top CUDA kernels of a short in-place run.
 
     python scripts/profile_distill_step.py .carry/prompts.jsonl.gz [BATCH] [MAX_NEW] [--no-profile]
 """
@@ -41,20 +41,20 @@ def run(new_tokens: int, cache: str = "dynamic") -> tuple[float, list]:
 
 
 run(4)
-run(4, "compact")
+run(4, "inplace")
 short, long = run(8)[0], run(72)[0]
 print(f"dynamic: 8 new tokens {short:.2f} s, 72 new tokens {long:.2f} s: {(long - short) / 64 * 1e3:.1f} ms per "
       "decode step", flush=True)
 answers = {}
-for cache in ("dynamic", "compact"):
+for cache in ("dynamic", "inplace"):
     seconds, rows = run(max_new, cache)
     tokens = sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
     answers[cache] = [r["input_ids"] for r in rows]
     print(f"{cache}: {len(rows)} answers, up to {max_new} new tokens: {tokens} response tokens in {seconds:.1f} s, "
           f"{tokens / seconds:.0f} tokens/s", flush=True)
-same = sum(a == b for a, b in zip(answers["dynamic"], answers["compact"]))
-print(f"identical answers, compact vs dynamic (bf16): {same} of {len(prompts)}", flush=True)
+same = sum(a == b for a, b in zip(answers["dynamic"], answers["inplace"]))
+print(f"identical answers, in place vs dynamic (bf16): {same} of {len(prompts)}", flush=True)
 if "--no-profile" not in sys.argv:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run(24, "compact")
+        run(24, "inplace")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))

@@ -18,7 +18,8 @@ from dflash2.training.trainer import (
     default_gamma,
     drafter_loss_terms,
     drafter_losses,
-    held_out_tau,
+    greedy_walk,
+    held_out_acceptance,
     length_buckets,
     planned_steps,
     sample_anchors,
@@ -76,16 +77,17 @@ def test_training_lowers_loss_and_raises_tau(tmp_path):
     data = self_distilled(target, 48)
     held_out, sequences = data[:8], data[8:]
     drafter = tiny_drafter(target, seed=3, identity=True, block_size=4).bind_target(target)
-    untrained = held_out_tau(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
-                             torch.device("cpu"))
+    untrained = held_out_acceptance(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
+                                    torch.device("cpu"))
     config = TrainConfig(anchors_per_sequence=16, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=300,
                          eval_every=1000, checkpoint_every=1000, log_every=50)
     history = train(drafter, target, sequences, config, tmp_path, held_out=held_out, progress=False,
                     log=lambda line: None)
     losses = [h["loss"] for h in history if "loss" in h]
-    trained = history[-1]["held_out_tau"]
+    trained = history[-1]
     assert losses[-1] < 0.6 * losses[0]
-    assert trained > untrained + 0.3, (untrained, trained)
+    assert trained["held_out_anchor_mean"] > untrained["anchor_mean"] + 0.3, (untrained, trained)
+    assert trained["held_out_tau"] > untrained["tau"] + 0.1, (untrained, trained)
     assert (tmp_path / "checkpoint" / "drafter" / "config.json").exists()
 
 
@@ -341,11 +343,55 @@ def test_block_size_16_trains_and_its_held_out_tau_rises(tmp_path):
     held_out, sequences = data[:8], data[8:]
     drafter = tiny_drafter(target, seed=3, identity=True, block_size=16).bind_target(target)
     assert default_gamma(16) == 7.0
-    untrained = held_out_tau(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
-                             torch.device("cpu"))
+    untrained = held_out_acceptance(drafter, target, [_batch(held_out)], drafter.config.target_layer_ids,
+                                    torch.device("cpu"))
     config = TrainConfig(anchors_per_sequence=8, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=150,
                          eval_every=1000, checkpoint_every=1000, log_every=50)
     history = _quiet(config, drafter, target, sequences, tmp_path, held_out=held_out)
-    trained = history[-1]["held_out_tau"]
-    assert trained == trained and trained > untrained + 0.5, (untrained, trained)  # not nan: blocks were scored
+    trained = history[-1]
+    assert trained["held_out_anchor_mean"] > untrained["anchor_mean"] + 0.5, (untrained, trained)  # blocks scored
+    assert trained["held_out_tau"] > untrained["tau"] + 0.1, (untrained, trained)
     assert len(history[0]["top1_by_position"]) == 15
+
+
+def test_greedy_walk_against_a_naive_decoding_loop():
+    """`greedy_walk` is the round-by-round loop: each round adds its accepted drafts and one token of the target."""
+    accepted = {5: 3, 9: 0, 10: 7, 12: 1}
+    tokens, forwards = greedy_walk(accepted, first=5, end=15)
+    produced, rounds, anchor = 1, 0, 5  # the prefill writes position 5
+    while produced < 10:
+        gained = min(accepted.get(anchor, 0) + 1, 10 - produced)
+        produced, rounds, anchor = produced + gained, rounds + 1, anchor + gained
+    assert (tokens, forwards) == (10, 1 + rounds) == (10, 4)  # anchors 5 -> 9 -> 10 -> 14 (capped at the end)
+    assert greedy_walk({}, first=3, end=4) == (1, 1)
+
+
+@pytest.mark.parametrize("loop", ["assisted", "static"])
+def test_the_held_out_tau_counts_what_decoding_counts(tmp_path, loop):
+    """The trainer's held-out estimate (one teacher-forced pass, drafts at every position, `greedy_walk`) gives answer
+    by answer the tokens and target forwards that decoding counts on the same prompts (fp32, transformers' assisted
+    loop and DFlash 2's own): the context and anchor each training block sees are the ones the decoding loop gives
+    it. (Averaging acceptance over positions instead, each position alike, gives a higher number.)"""
+    target = tiny_target("llama", seed=11)
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    drafter = tiny_drafter(target, seed=3, identity=True, block_size=4).bind_target(target)
+    config = TrainConfig(anchors_per_sequence=16, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=80,
+                         eval_every=1000, checkpoint_every=1000, log_every=1000)
+    train(drafter, target, self_distilled(target, 32, seed=1), config, tmp_path, progress=False,
+          log=lambda line: None)
+    drafter = drafter.eval().attach(target)
+    generator = torch.Generator().manual_seed(5)
+    rows, counted = [], []
+    for _ in range(6):
+        prompt = torch.randint(4, VOCAB, (1, 5), generator=generator)
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                              **({"cache_implementation": "static"} if loop == "static" else {}))
+        stats = drafter.last_stats
+        counted.append((stats.completion_tokens, stats.target_forwards))
+        rows.append({"input_ids": out[0].tolist(), "prompt_length": 5})
+    estimate = held_out_acceptance(drafter, target, [collate(rows, 64, 0)], drafter.config.target_layer_ids,
+                                   torch.device("cpu"))
+    assert estimate["answers"] == counted
+    assert len({forwards for _, forwards in counted}) > 1 and min(f for _, f in counted) < 20  # drafts accepted
+    assert estimate["tau"] == sum(t for t, _ in counted) / sum(f for _, f in counted)

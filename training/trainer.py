@@ -57,7 +57,6 @@ class TrainConfig:
     selector_weight: float = 0.5
     selector_ramp_fraction: float = 0.2
     eval_every: int = 200
-    held_out_anchors: int = 16
     memory_probe: bool | None = None  # one forward/backward on the longest batch first (None: on CUDA only)
     checkpoint_every: int = 500
     seed: int = 0
@@ -227,36 +226,66 @@ class DrafterObjective(nn.Module):
 
 
 def estimate_acceptance_length(top1_by_position_correct: torch.Tensor) -> float:
-    """tau of greedy drafting from per-anchor correctness [n, B-1]: 1 + number of leading correct drafts."""
+    """tau of greedy drafting from per-anchor correctness [n, B-1]: 1 + number of leading correct drafts, averaged
+    over anchors (each position weighs alike, so easy stretches such as a repeated line count as much as hard ones:
+    an upper bound on what decoding measures; `greedy_walk` is the estimate that matches it)."""
     leading = torch.cumprod(top1_by_position_correct.long(), dim=-1).sum(-1)
     return float(1.0 + leading.float().mean())
 
 
-@torch.no_grad()
-def held_out_tau(drafter, target, batches, layer_ids, device, num_anchors: int = 16) -> float:
-    """tau estimate on held-out sequences: the selector's greedy walk at random anchors vs the target's tokens.
+def greedy_walk(accepted: dict[int, int], first: int, end: int) -> tuple[int, int]:
+    """(tokens, target forwards) of greedy speculative decoding along one known answer: the prefill forward writes the
+    token at `first` (the answer's first position); a round at anchor p adds accepted[p] + 1 tokens (its accepted
+    drafts and the target's own next token), never past `end`, and the next round's anchor is the last of them.
+    This is how DFlash's loop walks a sequence, so tokens / forwards is the tau it measures on that answer."""
+    anchor, forwards = first, 1
+    while anchor < end - 1:
+        anchor += min(accepted.get(anchor, 0) + 1, end - 1 - anchor)
+        forwards += 1
+    return end - first, forwards
 
-    Only anchors whose whole block lies inside the response count (never a padding token as the truth)."""
+
+@torch.no_grad()
+def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
+    """The drafter's greedy acceptance on held-out answers, drafted at every response position in one teacher-forced
+    pass (the context of the round at anchor p is the target's hidden states of positions < p, as in decoding).
+
+    Returns {"tau": tokens / forwards of `greedy_walk` over all answers (what decoding these answers measures, prefill
+    included), "anchor_mean": the per-position mean of `estimate_acceptance_length`, "answers": [(tokens, forwards)]}.
+    """
     was_training = drafter.training
     drafter.eval()
-    correct_rows = []
+    block = drafter.config.block_size
+    correct_rows, walks = [], []
     for token_ids, response_mask in batches:
-        anchors = sample_anchors(response_mask, num_anchors, torch.Generator().manual_seed(1234)).to(device)
+        anchors = sample_anchors(response_mask, token_ids.shape[1], torch.Generator(), unique=True).to(device)
         token_ids, response_mask = token_ids.to(device), response_mask.to(device)
         features = target_hidden_features(target, token_ids, layer_ids)
         truth_ids = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
-        _, _, targets = block_inputs(truth_ids, anchors, drafter.config.block_size, drafter.config.mask_token_id)
+        _, _, targets = block_inputs(truth_ids, anchors, block, drafter.config.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
-        anchor_ids = block_ids.view(-1, drafter.config.block_size)[:, 0]
+        anchor_ids = block_ids.view(-1, block)[:, 0]
         drafts = drafter.propose(anchor_ids, hidden.to(drafter.dtype)).tokens
         truth = targets.flatten(0, 1)[:, 1:]
-        keep = (anchors.flatten() >= 0) & (truth >= 0).all(-1)
-        correct_rows.append((drafts == truth)[keep].cpu())
+        correct = (drafts == truth) & (truth >= 0)  # past the answer's end nothing is accepted
+        accepted = torch.cumprod(correct.long(), dim=-1).sum(-1).view(anchors.shape).cpu()
+        anchors, response_mask = anchors.cpu(), response_mask.cpu()
+        whole = (truth >= 0).all(-1).cpu() & (anchors.flatten() >= 0)
+        correct_rows.append(correct.cpu()[whole])
+        for row in range(anchors.shape[0]):
+            positions = response_mask[row].nonzero().flatten()
+            if len(positions) == 0:
+                continue
+            valid = anchors[row] >= 0
+            walks.append(greedy_walk(dict(zip(anchors[row][valid].tolist(), accepted[row][valid].tolist())),
+                                     int(positions[0]), int(positions[-1]) + 1))
     drafter.train(was_training)
     rows = torch.cat(correct_rows) if correct_rows else torch.zeros(0, 1, dtype=torch.bool)
-    return estimate_acceptance_length(rows) if len(rows) else float("nan")
+    tokens, forwards = sum(t for t, _ in walks), sum(f for _, f in walks)
+    return {"tau": tokens / forwards if forwards else float("nan"),
+            "anchor_mean": estimate_acceptance_length(rows) if len(rows) else float("nan"), "answers": walks}
 
 
 def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -544,9 +573,11 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
         if held_out_batches and step % train_config.eval_every == 0:
-            tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device, train_config.held_out_anchors)
-            history.append({"step": step, "held_out_tau": tau})
-            log(json.dumps({"step": step, "held_out_tau": round(tau, 3)}))
+            estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
+            history.append({"step": step, "held_out_tau": estimate["tau"],
+                            "held_out_anchor_mean": estimate["anchor_mean"]})
+            log(json.dumps({"step": step, "held_out_tau": round(estimate["tau"], 3),
+                            "held_out_anchor_mean": round(estimate["anchor_mean"], 3)}))
         if main and step % train_config.checkpoint_every == 0:
             save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config,
                             checkpoint_state(step, time_before + time.time() - job_started))
@@ -555,9 +586,11 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     log(json.dumps({"stopped": reason, "step": step, "planned_steps": total_steps,
                     "time_consumed_s": round(consumed, 1), "epochs": round(step / len(buckets), 3)}))
     if held_out_batches:
-        tau = held_out_tau(drafter, target, held_out_batches, layer_ids, device, train_config.held_out_anchors)
-        history.append({"step": step, "held_out_tau": tau, "final": True})
-        log(json.dumps({"step": step, "held_out_tau": round(tau, 3), "final": True}))
+        estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
+        history.append({"step": step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
+                        "final": True})
+        log(json.dumps({"step": step, "held_out_tau": round(estimate["tau"], 3),
+                        "held_out_anchor_mean": round(estimate["anchor_mean"], 3), "final": True}))
     if main:
         save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config, checkpoint_state(step, consumed))
     if world > 1:
