@@ -363,7 +363,8 @@ def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, 
     monkeypatch.setattr(trainer, "train", lambda drafter, *a, **k: seen.append(
         (drafter.config.block_size, {n: w.clone() for n, w in drafter.state_dict().items()})) or [])
     common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--data",
-              str(tmp_path / "data.jsonl"), "--held-out", "2", "--device", "cpu", "--init-from", str(tmp_path / "start")]
+              str(tmp_path / "data.jsonl"), "--held-out", "2", "--device", "cpu",
+              "--init-from", str(tmp_path / "start")]
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "same")]))
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "longer"), "--block-size", "16"]))
     assert [block_size for block_size, _ in seen] == [4, 16]
