@@ -50,6 +50,14 @@ no_eos = [49151]  # random weights: run every row to the limit (the worst case)
 graphed = decoding.answer_batch(target, prompts[:64], 32, 2, no_eos)  # also the warm-up
 eager = decoding.answer_batch(target, prompts[:64], 32, 2, no_eos, graphs=False)
 report["graph_equals_eager_rows"] = sum(a == b for a, b in zip(graphed, eager))
+# rows that end at different steps (tokens the answers reach at steps 2..29 taken as EOS): the batch shrinks by
+# halvings, each a new graph; the answers up to each row's end must still equal the eager loop's
+ends = sorted({answer[step] for answer, step in zip(graphed, range(2, 30))})
+cut = lambda answer: answer[: next((i + 1 for i, t in enumerate(answer) if t in ends), len(answer))]  # noqa: E731
+graphed = decoding.answer_batch(target, prompts[:64], 32, 2, ends, check_every=2)
+eager = decoding.answer_batch(target, prompts[:64], 32, 2, ends, check_every=2, graphs=False)
+report["graph_equals_eager_rows_that_end"] = sum(cut(a) == cut(b) for a, b in zip(graphed, eager))
+report["answer_lengths_that_end"] = sorted({len(cut(a)) for a in graphed})
 for rows in (args.rows // 2, args.rows):
     sync()
     started = time.perf_counter()

@@ -8,19 +8,10 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash2.generation.round_core import RoundCore
+from dflash2.training.decoding import left_padded as left_pad
 from dflash2.generation.sampling import Sampling, speculative_accept, warped_probabilities
 from helpers import (EOS, VOCAB, assert_follows, check_sampling_is_exact, exact_distribution_of_step, sampling_case,
                      tiny_drafter, tiny_target)
-
-
-def left_pad(prompts, pad=0):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
 
 
 def alone(target, prompt, **kwargs):
@@ -71,7 +62,7 @@ def test_batched_greedy_rows_equal_plain_greedy_alone(arch, batch, oracle):
     max_new = rng.choice([9, 17, 24])
     references = [alone(target, p, max_new_tokens=max_new) for p in prompts]
     oracle["references"] = references
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                           assistant_model=drafter)
     for row in range(batch):
@@ -89,7 +80,7 @@ def test_batched_rows_stop_at_their_own_eos(oracle):
     eos = free[1][3]  # a token the second row emits early
     references = [alone(target, p, max_new_tokens=20, eos_token_id=eos) for p in prompts]
     oracle["references"] = free
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
                           pad_token_id=0, assistant_model=drafter)
     for row in range(3):
@@ -115,7 +106,7 @@ def test_batched_sampling_keeps_each_rows_distribution():
     draws = 500
     target, drafter = sampling_case()
     prompt = [5, 6, 7]
-    ids, mask = left_pad([prompt, prompt, prompt[1:]])
+    ids, mask = left_pad([prompt, prompt, prompt[1:]], 0)
     generation = dict(do_sample=True, top_k=0, temperature=0.8, max_new_tokens=3, eos_token_id=None)
     processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
     torch.manual_seed(0)
@@ -133,7 +124,7 @@ def test_batched_through_custom_generate(tmp_path):
     drafter.save_pretrained(tmp_path / "drafter")
     prompts = [[5, 9, 14, 3 + 20], [7, 31]]
     references = [alone(target, p, max_new_tokens=12) for p in prompts]
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                           custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
     for row in range(2):
@@ -146,7 +137,7 @@ def test_batches_above_the_speculative_limit_fall_back_with_a_warning():
     drafter = tiny_drafter(target, max_speculative_batch_size=2).attach(target)
     prompts = [[5, 9, 14], [20, 7], [8, 8, 8, 8]]
     references = [alone(target, p, max_new_tokens=10) for p in prompts]
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     drafter.last_stats = None
     with pytest.warns(UserWarning, match="max_speculative_batch_size=2"):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=drafter)
