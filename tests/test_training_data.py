@@ -262,6 +262,22 @@ def test_a_conversation_is_answered_after_its_last_turn_and_drops_old_turns_firs
     assert prompt_ids(tokenizer, conversation, max_prompt_tokens=5) == last_turn[-5:]
 
 
+def test_trimmed_conversations_answer_the_same_prompts(tiny):
+    """`training.prompts --trim-for`: conversation rows keep only the turns self-distillation keeps, so every row's
+    prompt ids stay the same while a too-long context is dropped from the file."""
+    _, tokenizer, prompts = tiny
+    conversation = prompts[-1]
+    whole = prompt_ids(tokenizer, conversation, 512)
+    records = [{"source": "t", "prompt": "a b c"},
+               {"source": "t", "prompt": conversation[-1]["content"], "messages": conversation}]
+    for limit in (512, len(whole) - 1):
+        trimmed = prompt_sources.trimmed_conversations(records, tokenizer, limit)
+        for before, after in zip(records, trimmed):
+            ask = lambda r: r.get("messages") or r["prompt"]  # noqa: E731 (as read_prompts reads a row)
+            assert prompt_ids(tokenizer, ask(after), limit) == prompt_ids(tokenizer, ask(before), limit)
+        assert ("messages" in trimmed[1]) == (limit == 512) and trimmed[0] == records[0]
+
+
 def test_held_out_prompts_are_whole_and_scored_on_greedy_answers():
     rows = [{"input_ids": [i], "prompt_length": 0, "prompt_index": i // 2, "sampled": bool(i % 2)} for i in range(40)]
     held_out, training = split_held_out(rows, 5, seed=3)

@@ -729,9 +729,26 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
     return records
 
 
-def write_prompts(path: str | os.PathLike, **kwargs) -> list[dict]:
-    """Build prompts and write them as JSONL atomically; returns the records."""
+def trimmed_conversations(records: list[dict], tokenizer, max_prompt_tokens: int) -> list[dict]:
+    """Conversation rows with only the turns that self-distillation keeps at `max_prompt_tokens`
+    (`selfdistill.kept_messages`); a row left with its last turn alone becomes a plain prompt."""
+    from dflash2.training.selfdistill import kept_messages
+
+    out = []
+    for record in records:
+        if record.get("messages"):
+            record = dict(record, messages=kept_messages(tokenizer, record["messages"], max_prompt_tokens))
+            if len(record["messages"]) == 1:
+                record.pop("messages")
+        out.append(record)
+    return out
+
+
+def write_prompts(path: str | os.PathLike, transform=None, **kwargs) -> list[dict]:
+    """Build prompts (then `transform` them, if given) and write them as JSONL atomically; returns the records."""
     records = build_prompts(**kwargs)
+    if transform is not None:
+        records = transform(records)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -758,13 +775,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-chat-turns", type=int, default=0,
                         help="later ShareGPT turns, each with the exchange before it as context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trim-for", default=None, metavar="TOKENIZER",
+                        help="a tokenizer folder (the target's): conversations keep only the turns self-distillation "
+                             "at --max-prompt-tokens would keep, so the file is smaller and answers the same")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="with --trim-for (self-distillation's "
+                        "--max-prompt-tokens)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     start = time.perf_counter()
+    trim = None
+    if args.trim_for:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.trim_for, trust_remote_code=False)
+        trim = lambda records: trimmed_conversations(records, tokenizer, args.max_prompt_tokens)  # noqa: E731
     records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
                             n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed,
-                            n_chat_turns=args.n_chat_turns)
+                            n_chat_turns=args.n_chat_turns, transform=trim)
     counts = Counter(record["source"] for record in records)
     for source, count in sorted(counts.items()):
         print(f"{source:12s} {count}")

@@ -36,16 +36,23 @@ def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
     at most `max_prompt_tokens` tokens: a conversation drops its oldest exchanges first, then the start is cut."""
     if isinstance(prompt, str):
         return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
-    messages = list(prompt)
-    while True:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-        if len(ids) <= max_prompt_tokens or len(messages) <= 1:
-            return ids[-max_prompt_tokens:]
-        messages = messages[2:]  # the oldest user/assistant exchange
+    return conversation_ids(tokenizer, kept_messages(tokenizer, prompt, max_prompt_tokens))[-max_prompt_tokens:]
+
+
+def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def kept_messages(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[dict]:
+    """The turns of a conversation that `prompt_ids` keeps: the oldest user/assistant exchanges go first, until the
+    templated conversation fits in `max_prompt_tokens` or only the last turn is left."""
+    messages = list(messages)
+    while len(messages) > 1 and len(conversation_ids(tokenizer, messages)) > max_prompt_tokens:
+        messages = messages[2:]
+    return messages
 
 
 @torch.no_grad()
