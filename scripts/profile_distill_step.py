@@ -17,7 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash2.generation import load_target
-from dflash2.training.selfdistill import answer_prompts, read_prompts
+from dflash2.tasks import read_prompts
+from dflash2.training.selfdistill import answer_prompts
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 path = args[0]

@@ -13,7 +13,7 @@ import torch
 
 from dflash2.benchmarks.acceptance import file_prompts
 from dflash2.generation import DFlash2Drafter, load_target
-from dflash2.training.selfdistill import prompt_ids
+from dflash2.tasks import prompt_ids
 from dflash2.training.trainer import collate, held_out_acceptance
 
 torch.set_num_threads(1)

@@ -13,7 +13,8 @@ from training_helpers import save_tiny_target, write_prompt_file
 from dflash2.cli import build_parser
 from dflash2.training import prompts as prompt_sources
 from dflash2.training.recipe import split_held_out
-from dflash2.training.selfdistill import answer_plan, distill, distill_options, prompt_ids, read_prompts
+from dflash2.tasks import prompt_ids, read_prompts
+from dflash2.training.selfdistill import answer_plan, distill, distill_options
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from training_helpers import save_tiny_target, torchrun, write_prompt_file
 from dflash2.cli import build_parser
-from dflash2.training.selfdistill import distill, distill_to_file, read_prompts, write_jsonl
+from dflash2.tasks import read_prompts
+from dflash2.training.selfdistill import distill, distill_to_file, write_jsonl
 
 # Tolerance of "the same weights": the two runs compute the same sums in a different order (each process pads and
 # multiplies its half of the batch, gloo adds the two halves' gradients), so fp32 rounding differs, and AdamW turns

@@ -731,8 +731,8 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
 
 def trimmed_conversations(records: list[dict], tokenizer, max_prompt_tokens: int) -> list[dict]:
     """Conversation rows with only the turns that self-distillation keeps at `max_prompt_tokens`
-    (`selfdistill.kept_messages`); a row left with its last turn alone becomes a plain prompt."""
-    from dflash2.training.selfdistill import kept_messages
+    (`tasks.kept_messages`); a row left with its last turn alone becomes a plain prompt."""
+    from dflash2.tasks import kept_messages
 
     out = []
     for record in records:

@@ -107,7 +107,8 @@ def run(args) -> Path:
     from dflash2.modeling_dflash2 import DFlash2DraftModel
     from dflash2.training.distributed import (broadcast_from_main, finish_distributed, host_group, init_distributed,
                                               rank_and_world)
-    from dflash2.training.selfdistill import distill_options, distill_to_file, read_prompts
+    from dflash2.tasks import read_prompts
+    from dflash2.training.selfdistill import distill_options, distill_to_file
     from dflash2.training.trainer import TrainConfig, load_sequences, train
 
     device = init_distributed(args.device)

@@ -13,7 +13,6 @@ process writes. (Or, without torchrun, one process per shard with `--shard i/n`,
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import random
@@ -23,36 +22,12 @@ from pathlib import Path
 
 import torch
 
-from dflash2.tasks import chat_prompt_ids
+from dflash2.tasks import prompt_ids, read_prompts
 from dflash2.training import decoding
 from dflash2.training.decoding import left_padded
 
 ANSWER_MODES = ("greedy", "sampled", "both", "mix")
 CACHE_MODES = ("auto", "inplace", "dynamic")
-
-
-def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
-    """The target's chat template around a user message (str) or a conversation (list of {"role", "content"}),
-    at most `max_prompt_tokens` tokens: a conversation drops its oldest exchanges first, then the start is cut."""
-    if isinstance(prompt, str):
-        return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
-    return conversation_ids(tokenizer, kept_messages(tokenizer, prompt, max_prompt_tokens))[-max_prompt_tokens:]
-
-
-def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-
-
-def kept_messages(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[dict]:
-    """The turns of a conversation that `prompt_ids` keeps: the oldest user/assistant exchanges go first, until the
-    templated conversation fits in `max_prompt_tokens` or only the last turn is left."""
-    messages = list(messages)
-    while len(messages) > 1 and len(conversation_ids(tokenizer, messages)) > max_prompt_tokens:
-        messages = messages[2:]
-    return messages
 
 
 @torch.no_grad()
@@ -235,15 +210,6 @@ def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
     return {"sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
             "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
             "processes": world, "seconds": round(time.time() - started)}
-
-
-def read_prompts(path, limit: int | None = None) -> list:
-    """The prompts of a JSONL file (python -m dflash2.training.prompts writes them; gzipped if the name ends in .gz),
-    the first `limit`: the "messages" conversation of a row when it has one, else its "prompt" text."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for line in handle if line.strip()][:limit]
-    return [row["messages"] if row.get("messages") else row["prompt"] for row in rows]
 
 
 def write_jsonl(rows, path) -> None:
