@@ -6,13 +6,14 @@ model: its dynamic cache concatenates every layer's keys and values at every ste
 step), its sdpa path repeats keys and values per query group under a padding mask, and a row that has ended keeps
 its place until the batch's longest answer ends. Here:
 
-- `prefill` writes the prompts' keys and values into a cache `[layers, rows, kv_heads, columns, head_dim]` sized for
-  the prompt width plus the new tokens, and `decode_step` writes one column per step; attention reads the written
-  columns as a view, never a copy;
+- the prefill writes the prompts' keys and values into a cache `(2, layers, rows, kv_heads, width, head_dim)` as wide
+  as the prompt plus the new tokens, and each decoding step (`decode_step`) writes one column of it in place;
+- a decoding step attends to the whole width under a key mask (columns become valid as they are written), so every
+  step of a batch has the same shapes: on CUDA it is captured once as a CUDA graph and replayed (`DecodeStep`);
 - in a decoding step the query heads that share a key/value head are folded into the query axis, so keys and values
   are read as stored (`(rows, kv_heads, groups, head_dim)` queries);
-- every few steps, once the rows still running are at most `keep_fraction` of the batch, the batch and its cache keep
-  only them (`compact`).
+- every few steps, once the rows still running fit in half the batch, the batch and its cache shrink to the smallest
+  halving that holds them (a batch meets a few sizes, one graph each).
 
 The layers' own modules compute everything but attention (norms, projections, rotary embedding, MLP), so the numbers
 are the target's; only the order of a few floating-point sums differs from transformers'. In fp32 the greedy answers

@@ -267,7 +267,8 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
         anchor_ids = block_ids.view(-1, block)[:, 0]
-        drafts = drafter.propose(anchor_ids, hidden.to(drafter.dtype)).tokens
+        drafts = torch.cat([drafter.propose(anchor_ids[i: i + 4096], hidden[i: i + 4096].to(drafter.dtype)).tokens
+                            for i in range(0, len(anchor_ids), 4096)])  # vocabulary-wide logits 4096 blocks at a time
         truth = targets.flatten(0, 1)[:, 1:]
         correct = (drafts == truth) & (truth >= 0)  # past the answer's end nothing is accepted
         accepted = torch.cumprod(correct.long(), dim=-1).sum(-1).view(anchors.shape).cpu()
