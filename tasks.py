@@ -92,24 +92,19 @@ def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The target's own chat template around one user turn (plain text when the tokenizer has no template)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(prompt)["input_ids"]
+    return conversation_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def prompt_ids(tokenizer, prompt, max_prompt_tokens: int = 256) -> list[int]:
     """The target's chat template around a user message (str) or a conversation (list of {"role", "content"}),
     at most `max_prompt_tokens` tokens: a conversation drops its oldest exchanges first, then the start is cut."""
-    if isinstance(prompt, str):
-        return chat_prompt_ids(tokenizer, prompt)[-max_prompt_tokens:]
-    return conversation_ids(tokenizer, kept_messages(tokenizer, prompt, max_prompt_tokens))[-max_prompt_tokens:]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return conversation_ids(tokenizer, kept_messages(tokenizer, messages, max_prompt_tokens))[-max_prompt_tokens:]
 
 
 def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template around a conversation, ready for the assistant's turn (without a template: the turns' texts
+    joined by blank lines)."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -513,6 +513,13 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                 "world_size": world, "num_sequences": len(sequences),
                 "epoch": at_step // len(buckets), "batch_in_epoch": at_step % len(buckets)}
 
+    def evaluate(at_step: int, **extra) -> None:
+        estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
+        record = {"step": at_step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
+                  **extra}
+        history.append(record)
+        log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}))
+
     def forward_backward(bucket: list[int], generator: torch.Generator, selector_weight: float):
         # the whole global batch is collated and its anchors drawn on every process (same padding, same anchors as
         # one process holding it all); each process keeps its rows. Anchors are drawn on the host copy: no device
@@ -574,11 +581,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
         if held_out_batches and step % train_config.eval_every == 0:
-            estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
-            history.append({"step": step, "held_out_tau": estimate["tau"],
-                            "held_out_anchor_mean": estimate["anchor_mean"]})
-            log(json.dumps({"step": step, "held_out_tau": round(estimate["tau"], 3),
-                            "held_out_anchor_mean": round(estimate["anchor_mean"], 3)}))
+            evaluate(step)
         if main and step % train_config.checkpoint_every == 0:
             save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config,
                             checkpoint_state(step, time_before + time.time() - job_started))
@@ -587,11 +590,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     log(json.dumps({"stopped": reason, "step": step, "planned_steps": total_steps,
                     "time_consumed_s": round(consumed, 1), "epochs": round(step / len(buckets), 3)}))
     if held_out_batches:
-        estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
-        history.append({"step": step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
-                        "final": True})
-        log(json.dumps({"step": step, "held_out_tau": round(estimate["tau"], 3),
-                        "held_out_anchor_mean": round(estimate["anchor_mean"], 3), "final": True}))
+        evaluate(step, final=True)
     if main:
         save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config, checkpoint_state(step, consumed))
     if world > 1:
