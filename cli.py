@@ -213,7 +213,8 @@ def command_bench(args) -> None:
         return
     drafters = {"dflash2": drafter}
     if args.dflash1_drafter:
-        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype)
+        overrides = {"block_size": args.block_size} if args.block_size else {}  # --block-size: both drafters
+        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype, **overrides)
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -407,6 +407,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     LM head without storing them. Speculative decoding with it lives in `generation/` (`attach`)."""
 
     def __init__(self, config: DFlash2Config):
+        config.check()  # again: from_pretrained(..., block_size=8) sets fields after the config's own check
         super().__init__(config)
         self.fc = nn.Linear(config.num_target_taps * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

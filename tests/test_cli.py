@@ -70,6 +70,8 @@ def argument_cases(incomplete_drafter):
          "(see dflash2 generate --help)"),
         (["--threads", "0"], 2, "dflash2 generate: error: argument --threads: must be at least 1, got 0 (see "
          "dflash2 generate --help)"),
+        (["--block-size", "1"], 2, "dflash2 generate: error: argument --block-size: must be at least 2 (the anchor "
+         "and one draft), got 1 (see dflash2 generate --help)"),
         (["--repeats", "two"], 2, "dflash2 generate: error: argument --repeats: must be a whole number, got 'two' "
          "(see dflash2 generate --help)"),
         (device[0], 1, device[1]),

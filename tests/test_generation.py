@@ -112,6 +112,30 @@ def test_greedy_with_repetition_penalty_is_lossless(oracle):
     assert torch.equal(speculative, reference)
 
 
+def test_a_drafter_loaded_with_another_block_size_drafts_that_block_and_stays_lossless(oracle, tmp_path):
+    """`from_pretrained(folder, block_size=4)` (the CLI's --block-size): a block-8 drafter drafts 3 tokens per round in
+    every loop, output still equals plain greedy; a block of 1 is refused at load, not at the first round."""
+    from dflash2.generation import DFlash2Drafter
+
+    target = tiny_target("llama", seed=5)
+    tiny_drafter(target, seed=5, block_size=8).save_pretrained(tmp_path / "drafter")
+    drafter = DFlash2Drafter.from_pretrained(tmp_path / "drafter", dtype=torch.float32, block_size=4).attach(target)
+    assert drafter.config.block_size == 4
+    ids = torch.tensor([[5, 9, 14, 20, 7, 31, 2, 11]])
+    plain = plain_greedy(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=24)
+    oracle["reference"] = plain
+    for extra in ({}, {"cache_implementation": "static"}):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                              assistant_model=drafter, **extra)
+        assert torch.equal(out, plain), extra
+        stats = drafter.last_stats
+        assert stats.block_size == 4 and len(stats.accepted_per_position) == 3, extra
+        if not extra:  # the oracle (assisted loop only) makes some drafts right: rounds accepted several tokens
+            assert stats.target_forwards < plain.shape[1] - ids.shape[1]
+    with pytest.raises(ValueError, match="block_size=1; a block needs the anchor plus at least one mask"):
+        DFlash2Drafter.from_pretrained(tmp_path / "drafter", dtype=torch.float32, block_size=1)
+
+
 def test_dflash1_drafter_greedy_is_lossless():
     target = tiny_target("qwen3", seed=2)
     drafter = tiny_drafter(target, version=1).attach(target)
