@@ -11,7 +11,7 @@
 #   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 360), torchrun
 #                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
 #   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
-#   bash scripts/h200_train.sh measure           # tau of the shipped drafter and /tmp/run{2,1}/drafter: HumanEval
+#   bash scripts/h200_train.sh measure           # tau of the shipped drafter and every /tmp/run*/drafter: HumanEval
 #                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
@@ -20,10 +20,12 @@
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
-# EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), INIT2 / INIT1 (a drafter folder to start
+# EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
+# runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder to start
 # from instead of scratch).
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
-# d<version>.tar.* parts of <= 15 MB: here, `cat d2.tar.* | tar xf -` gives drafter/ with train_log.jsonl, history.json.
+# <run folder name>.tar.* parts of <= 15 MB: here, `cat run2.tar.* | tar xf -` gives drafter/ with train_log.jsonl,
+# history.json.
 set -uo pipefail
 phase="${1:?usage: h200_train.sh check|data|train VERSION [JOB_S]|measure}"
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -76,7 +78,7 @@ train)
   version="${2:?train VERSION (2 or 1) [JOB_S]}"
   job_s="${3:-360}"
   need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
-  run="/tmp/run$version"
+  run="${RUN:-/tmp/run$version}"; name="$(basename "$run")"  # RUN=/tmp/run2-b8: a second run of one version
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
   unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
   epochs=(); [ -n "${EPOCHS:-}" ] && epochs=(--epochs "$EPOCHS")
@@ -93,15 +95,15 @@ train)
     --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps 1000000 \
     --time-budget "${BUDGET:-$job_s}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
     --checkpoint-every 1000 \
-    2>&1 | quiet | tee -a "$OUT/train$version.log"
+    2>&1 | quiet | tee -a "$OUT/train-$name.log"
   status=${PIPESTATUS[0]}
-  echo "train $version: exit $status after ${SECONDS}s" | tee -a "$OUT/train$version.log"
+  echo "train $version ($run): exit $status after ${SECONDS}s" | tee -a "$OUT/train-$name.log"
   if [ -e "$run/drafter/config.json" ]; then
     (cd "$run" && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl history.json \
-      | split -b 15M - "$OUT/d$version.tar.")
+      | split -b 15M - "$OUT/$name.tar.")
   fi
   carried
-  echo "here: mkdir -p runs/d$version && cat d$version.tar.* | tar xf - -C runs/d$version"
+  echo "here: mkdir -p runs/$name && cat $name.tar.* | tar xf - -C runs/$name"
   exit "$status"
   ;;
 
@@ -111,7 +113,7 @@ measure)
   # one. tau alone (no timing), so the runs share the GPUs.
   need "${DFLASH2_EVAL_DIR}/HumanEval.jsonl.gz" "carry .carry/eval (the HumanEval prompts) in this call"
   declare -A drafters=([shipped]=drafters/SmolLM2-135M-Instruct-DFlash2)
-  for v in 2 1; do [ -e "/tmp/run$v/drafter/config.json" ] && drafters[d$v]="/tmp/run$v/drafter"; done
+  for run in /tmp/run*/; do [ -e "$run/drafter/config.json" ] && drafters[$(basename "$run")]="$run/drafter"; done
   SECONDS=0; i=0
   for name in "${!drafters[@]}"; do
     for t in ${MEASURE_T:-0 1}; do
