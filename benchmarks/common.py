@@ -204,6 +204,11 @@ def check_model_arguments(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ loading
+def drafter_overrides(args) -> dict:
+    """Config fields the model arguments override at load (`from_pretrained(folder, **these)`)."""
+    return {"block_size": args.block_size} if args.block_size else {}
+
+
 def load_pair(args, check: bool = True):
     """The target (default: the one the drafter names) and the drafter, attached, on the requested device.
 
@@ -221,8 +226,7 @@ def load_pair(args, check: bool = True):
         import torch
 
         torch.set_num_threads(cpu_threads(getattr(args, "threads", "auto")))
-    overrides = {"block_size": args.block_size} if getattr(args, "block_size", None) else {}
-    drafter = DFlash2Drafter.from_pretrained(Path(args.drafter), dtype=dtype, **overrides)
+    drafter = DFlash2Drafter.from_pretrained(Path(args.drafter), dtype=dtype, **drafter_overrides(args))
     target, tokenizer = load_target(drafter.config, args.target, args.gguf_file, dtype=dtype)
     target.to(device).eval()
     drafter.to(device).eval().attach(target)
