@@ -15,14 +15,16 @@
 #                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
-# MIX (0.25 sampled), TEMP (0.8), MAX_PROMPT (512), DISTILL_BATCH (2048 per GPU), DISTILL_S (300: no new batch after),
+# MIX (0.25 sampled), TEMP (0.8), SEED (0: of the sampled answers and the mix), MAX_PROMPT (512), DISTILL_BATCH (2048
+# per GPU), DISTILL_S (300: no new batch after), RETURN_DATA (1: the answers come back gzipped as data.jsonl.gz.*),
 # DISTILL_CACHE (auto: training/decoding.py's in-place loop for Llama-family targets; dynamic: transformers' generate);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
 # runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder to start
-# from instead of scratch).
+# from instead of scratch), RETURN_DRAFTER (1; 0 returns the run's logs and config without its weights: $OUT takes back
+# 64 MiB, two block-16 drafters' worth).
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
 # <run folder name>.tar.* parts of <= 15 MB: here, `cat run2.tar.* | tar xf -` gives drafter/ with train_log.jsonl,
 # history.json.
@@ -65,11 +67,19 @@ data)
   SECONDS=0
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-2048}" \
+    --temperature "${TEMP:-0.8}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-2048}" \
     --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
   echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
     | tee -a "$OUT/distill.log"
+  if [ "${RETURN_DATA:-1}" = 1 ] && [ -s "$DATA" ]; then
+    # the answers come back too (gzipped, in parts of 15 MB, if they fit the 64 MiB that $OUT returns beside the
+    # log), so a later session can carry them instead of answering the same prompts again
+    gzip -6 -c "$DATA" > /tmp/data.jsonl.gz
+    size=$(stat -c %s /tmp/data.jsonl.gz)
+    if [ "$size" -le $((56 * 1048576)) ]; then split -b 15M /tmp/data.jsonl.gz "$OUT/data.jsonl.gz."
+    else echo "data: not returned, $((size / 1048576)) MB gzipped is more than \$OUT takes back"; fi
+  fi
   carried
   exit "$status"
   ;;
@@ -99,7 +109,8 @@ train)
   status=${PIPESTATUS[0]}
   echo "train $version ($run): exit $status after ${SECONDS}s" | tee -a "$OUT/train-$name.log"
   if [ -e "$run/drafter/config.json" ]; then
-    (cd "$run" && tar cf - drafter/*.safetensors drafter/*.json drafter/*.jinja train_log.jsonl history.json \
+    weights=(drafter/*.safetensors); [ "${RETURN_DRAFTER:-1}" = 1 ] || weights=()  # 0: logs only (ablation runs)
+    (cd "$run" && tar cf - "${weights[@]}" drafter/*.json drafter/*.jinja train_log.jsonl history.json \
       | split -b 15M - "$OUT/$name.tar.")
   fi
   carried

@@ -89,3 +89,78 @@ class _Hidden:
     ]
     assert prompts.source_function_stubs([package], exclude_names={"area"}) == stubs[1:]
     assert all("return" not in stub and "append" not in stub for stub in stubs)
+
+
+# ----------------------------------------------------------------------------------- code_prompts.py
+
+
+def test_code_chat_requests_are_deterministic_and_fill_every_template():
+    from dflash2.training import code_prompts
+
+    chat = code_prompts.code_chat_candidates(seed=3)
+    assert chat == code_prompts.code_chat_candidates(seed=3)
+    assert chat != code_prompts.code_chat_candidates(seed=4)  # another seed picks other templates
+    per_task = sum(2 * code_prompts.LANGUAGES.count(lang) for lang in dict.fromkeys(code_prompts.LANGUAGES))
+    expected = (len(code_prompts.TASKS) * per_task + 3 * len(code_prompts.SCRIPT_TASKS)
+                + len(code_prompts.WEB_TASKS) * len(code_prompts.WEB_TEMPLATES)
+                + len(code_prompts.SQL_TASKS) * len(code_prompts.SQL_TEMPLATES))
+    assert len(chat) == expected == len(set(chat))
+    assert not [p for p in chat if "{lang}" in p or "{task}" in p]
+    python = [p for p in chat if "Python" in p and "PowerShell" not in p]
+    assert sum(code_prompts.TASKS[0] in p for p in python) == 6  # Python is listed three times: six phrasings
+
+
+def test_code_chat_tasks_leave_out_the_evaluation_sets_themes():
+    from dflash2.training import code_prompts
+
+    words = [code_prompts._words(t) for t in code_prompts.TASKS + code_prompts.WEB_TASKS + code_prompts.SQL_TASKS]
+    for theme in code_prompts.HELD_OUT_THEMES:
+        assert not [w for w in words if theme in w], theme
+    prompts.assert_no_eval_overlap(code_prompts.code_chat_candidates(exclude_names=prompts.humaneval_entry_points()))
+
+
+def test_tasks_naming_a_humaneval_function_are_dropped():
+    from dflash2.training.code_prompts import code_chat_candidates, drop_humaneval_named
+
+    tasks = ["check whether a number is prime", "search a list for a value", "remove duplicates from a list"]
+    assert drop_humaneval_named(tasks, ["is_prime", "search", "remove_duplicates"]) == [tasks[1]]
+    assert drop_humaneval_named(tasks, []) == tasks
+    first = "reverse the words of a sentence while keeping punctuation in place"
+    assert any(first in p for p in code_chat_candidates())
+    assert not any(first in p for p in code_chat_candidates(exclude_names=["keeping_punctuation"]))
+
+
+def test_function_sources_keep_whole_functions_of_the_right_size(tmp_path):
+    from dflash2.training.code_prompts import code_review_candidates, function_sources
+
+    package = tmp_path / "pkg"
+    (package / "tests").mkdir(parents=True)
+    body = "".join(f"    total += values[{i}] * {i}  # weight {i}\n" for i in range(8))
+    kept = f"def weighted(values):\n    total = 0\n{body}    return total\n"
+    method = kept.replace("weighted", "method").replace("(values)", "(self, values)")
+    (package / "mod.py").write_text(
+        kept + "\n\ndef short(x):\n    return x\n\n\n" + kept.replace("weighted", "_private")
+        + "\n\n@decorated\n" + kept.replace("weighted", "wrapped")
+        + "\n\nclass Box:\n" + "".join("    " + line + "\n" for line in method.splitlines())
+        + "\n\nclass _Hidden:\n" + "".join("    " + line + "\n" for line in method.splitlines()))
+    (package / "again.py").write_text(kept)  # the same source twice counts once
+    (package / "tests" / "test_mod.py").write_text(kept.replace("weighted", "test_weighted"))
+    sources = function_sources([package], skipped_parts={"tests"})
+    assert sources == [kept, method]  # again.py first in path order, then mod.py's method; no repeat
+    assert function_sources([package], exclude_names={"weighted"}, skipped_parts={"tests"}) == [method]
+    assert len(function_sources([package])) == 3  # tests/ is read when not skipped
+    requests = code_review_candidates([package], seed=0, skipped_parts={"tests"})
+    assert len(requests) == 2 and all("```python\n" in r and r.count("```") == 2 for r in requests)
+    assert requests[0].count(kept) == 1 and requests == code_review_candidates([package], 0, (), {"tests"})
+
+
+def test_build_prompts_mixes_the_code_sources(monkeypatch, tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    body = "".join(f"    total += values[{i}] * {i}  # weight {i}\n" for i in range(8))
+    (package / "mod.py").write_text("".join(f"def f{k}(values):\n    total = {k}\n{body}    return total\n\n\n"
+                                            for k in range(5)))
+    monkeypatch.setattr(prompts, "source_roots", lambda packages=(): [package])
+    records = prompts.build_prompts(n_chat=0, n_code=0, n_math=0, n_code_chat=7, n_code_review=3, seed=2)
+    assert sorted(r["source"] for r in records) == ["code-chat"] * 7 + ["code-review"] * 3
+    assert records == prompts.build_prompts(n_chat=0, n_code=0, n_math=0, n_code_chat=7, n_code_review=3, seed=2)

@@ -8,6 +8,9 @@ only decides *what to ask it*. Three offline sources are mixed:
   (the row carries ``messages``; the target answers the last turn, as in MT-Bench's second turns)
 * ``stdlib-code`` - code requests synthesised from Python stdlib docstrings/signatures
 * ``math``        - school-level questions from DeepMind's ``mathematics-dataset``
+* ``source-stubs`` - function stubs (signature and docstring) parsed from the stdlib and installed packages
+* ``code-chat``, ``code-review`` - programming requests in many languages, and real functions with a request about
+  them (``code_prompts.py``)
 
 Evaluation sets (HumanEval, MT-Bench) are kept out: overlapping prompts are dropped
 and ``assert_no_eval_overlap`` can re-check any prompt list.
@@ -43,6 +46,8 @@ import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from dflash2.training import code_prompts
 
 log = logging.getLogger(__name__)
 
@@ -691,9 +696,10 @@ def source_stub_candidates(seed: int = 0, exclude_names: Iterable[str] = ()) -> 
 # ---------------------------------------------------------------------------- main
 
 def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_stubs: int = 0,
-                  seed: int = 0, n_chat_turns: int = 0) -> list[dict]:
+                  seed: int = 0, n_chat_turns: int = 0, n_code_chat: int = 0, n_code_review: int = 0) -> list[dict]:
     """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap. Later-turn rows
-    (`n_chat_turns`) also carry "messages", the conversation whose last turn ("prompt") the target answers."""
+    (`n_chat_turns`) also carry "messages", the conversation whose last turn ("prompt") the target answers.
+    `n_code_chat` and `n_code_review` draw from `code_prompts`' two sources."""
     pools = {
         "sharegpt": sharegpt_candidates() if n_chat > 0 else [],
         # Beyond the def-line guard, skip stdlib APIs sharing a HumanEval name:
@@ -703,8 +709,13 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
         "source-stubs": (source_stub_candidates(seed, exclude_names=humaneval_entry_points())
                          if n_stubs > 0 else []),
         "math": math_candidates(n_math, seed),
+        "code-chat": (code_prompts.code_chat_candidates(seed, exclude_names=humaneval_entry_points())
+                      if n_code_chat > 0 else []),
+        "code-review": (code_prompts.code_review_candidates(source_roots(), seed, humaneval_entry_points(),
+                                                            _SKIPPED_SOURCE_PARTS) if n_code_review > 0 else []),
     }
-    wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "source-stubs": n_stubs, "math": n_math}
+    wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "source-stubs": n_stubs, "math": n_math,
+              "code-chat": n_code_chat, "code-review": n_code_review}
     records = []
     for source, pool in pools.items():
         # Filter before sampling so the requested counts are still met.
@@ -774,6 +785,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="function stubs parsed from the stdlib and installed package sources")
     parser.add_argument("--n-chat-turns", type=int, default=0,
                         help="later ShareGPT turns, each with the exchange before it as context")
+    parser.add_argument("--n-code-chat", type=int, default=0,
+                        help="programming requests in many languages (training/code_prompts.py's task list)")
+    parser.add_argument("--n-code-review", type=int, default=0,
+                        help="real functions' source with a request about them (explain, review, test, port)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trim-for", default=None, metavar="TOKENIZER",
                         help="a tokenizer folder (the target's): conversations keep only the turns self-distillation "
@@ -792,7 +807,8 @@ def main(argv: list[str] | None = None) -> None:
         trim = lambda records: trimmed_conversations(records, tokenizer, args.max_prompt_tokens)  # noqa: E731
     records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
                             n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed,
-                            n_chat_turns=args.n_chat_turns, transform=trim)
+                            n_chat_turns=args.n_chat_turns, n_code_chat=args.n_code_chat,
+                            n_code_review=args.n_code_review, transform=trim)
     counts = Counter(record["source"] for record in records)
     for source, count in sorted(counts.items()):
         print(f"{source:12s} {count}")
