@@ -109,9 +109,10 @@ train)
   status=${PIPESTATUS[0]}
   echo "train $version ($run): exit $status after ${SECONDS}s" | tee -a "$OUT/train-$name.log"
   if [ -e "$run/drafter/config.json" ]; then
-    weights=(drafter/*.safetensors); [ "${RETURN_DRAFTER:-1}" = 1 ] || weights=()  # 0: logs only (ablation runs)
-    (cd "$run" && tar cf - "${weights[@]}" drafter/*.json drafter/*.jinja train_log.jsonl history.json \
-      | split -b 15M - "$OUT/$name.tar.")
+    (cd "$run" || exit
+     weights=(drafter/*.safetensors); [ "${RETURN_DRAFTER:-1}" = 1 ] || weights=()  # 0: logs only (ablation runs)
+     tar cf - "${weights[@]}" drafter/*.json drafter/*.jinja train_log.jsonl history.json \
+       | split -b 15M - "$OUT/$name.tar.")
   fi
   carried
   echo "here: mkdir -p runs/$name && cat $name.tar.* | tar xf - -C runs/$name"
