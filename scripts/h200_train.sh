@@ -8,6 +8,7 @@
 #
 #   bash scripts/h200_train.sh check             # GPUs, versions, target, data, checkpoints (seconds)
 #   bash scripts/h200_train.sh data              # self-distillation, torchrun on all GPUs -> /tmp/data.jsonl
+#   bash scripts/h200_train.sh data-from F.gz..  # or /tmp/data.jsonl from earlier sessions' returned answers (carried)
 #   bash scripts/h200_train.sh train 2 [JOB_S]   # DFlash 2: one job of JOB_S training seconds (default 360), torchrun
 #                                                # on all GPUs; run it again to resume from /tmp/run2/checkpoint
 #   bash scripts/h200_train.sh train 1 [JOB_S]   # the DFlash 1 twin, the same way (/tmp/run1)
@@ -17,6 +18,7 @@
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
 # MIX (0.25 sampled), TEMP (0.8), SEED (0: of the sampled answers and the mix), MAX_PROMPT (512), DISTILL_BATCH (2048
 # per GPU), DISTILL_S (300: no new batch after), RETURN_DATA (1: the answers come back gzipped as data.jsonl.gz.*),
+# EXTRA_DATA (earlier answer files, carried, joined to this call's: `cat data.jsonl.gz.* > .carry/s11.jsonl.gz`),
 # DISTILL_CACHE (auto: training/decoding.py's in-place loop for Llama-family targets; dynamic: transformers' generate);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
@@ -47,6 +49,10 @@ carried() {
   echo "--- files under \$OUT to carry back (at most 8 of 16 MB):"
   (cd "$OUT" && ls -l | awk 'NR > 1 {printf "  %s  %.1f MB\n", $NF, $5 / 1048576}')
 }
+merge_data() {  # the given answer files (gzipped or not) -> $DATA
+  python3 -c "import json, sys; from dflash2.training.selfdistill import merge_data_files
+print(json.dumps(merge_data_files(sys.argv[2:], sys.argv[1])))" "$DATA" "$@"
+}
 [ "$phase" = check ] || need /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf \
   "stage the target first (../shared/device/stage-target.sh calls)"
 
@@ -63,25 +69,37 @@ data)
   prompts="${PROMPTS:-.carry/prompts.jsonl.gz}"
   need "$prompts" "carry the prompt file (python -m dflash2.training.prompts --out ...; gzip -9)"
   limit=(); [ -n "${NUM_PROMPTS:-}" ] && limit=(--num-prompts "$NUM_PROMPTS")
-  rm -f "$DATA"
+  new=/tmp/data-new.jsonl  # this call's answers; $DATA adds EXTRA_DATA's to them
+  rm -f "$DATA" "$new"
   SECONDS=0
-  torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$DATA" \
+  torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$new" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" --batch-size "${DISTILL_BATCH:-2048}" \
-    --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 | quiet | tee "$OUT/distill.log"
+    --temperature "${TEMP:-0.8}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
+    --batch-size "${DISTILL_BATCH:-2048}" --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 \
+    | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
-  echo "data: exit $status after ${SECONDS}s; $(wc -l < "$DATA" 2>/dev/null || echo 0) sequences in $DATA" \
+  echo "data: exit $status after ${SECONDS}s; $(wc -l < "$new" 2>/dev/null || echo 0) sequences in $new" \
     | tee -a "$OUT/distill.log"
-  if [ "${RETURN_DATA:-1}" = 1 ] && [ -s "$DATA" ]; then
+  [ -s "$new" ] || exit "$status"
+  if [ "${RETURN_DATA:-1}" = 1 ]; then
     # the answers come back too (gzipped, in parts of 15 MB, if they fit the 64 MiB that $OUT returns beside the
-    # log), so a later session can carry them instead of answering the same prompts again
-    gzip -6 -c "$DATA" > /tmp/data.jsonl.gz
+    # log), so a later session can carry them (EXTRA_DATA, data-from) instead of answering the same prompts again
+    gzip -6 -c "$new" > /tmp/data.jsonl.gz
     size=$(stat -c %s /tmp/data.jsonl.gz)
     if [ "$size" -le $((56 * 1048576)) ]; then split -b 15M /tmp/data.jsonl.gz "$OUT/data.jsonl.gz."
     else echo "data: not returned, $((size / 1048576)) MB gzipped is more than \$OUT takes back"; fi
   fi
+  # earlier sessions' answers (carried) join this call's, their prompt indices moved past these
+  merge_data "$new" ${EXTRA_DATA:-} | tee -a "$OUT/distill.log"
   carried
   exit "$status"
+  ;;
+
+data-from)
+  # no distillation: /tmp/data.jsonl from carried answer files of earlier sessions (data.jsonl.gz, joined parts)
+  shift; [ $# -gt 0 ] || { echo "usage: h200_train.sh data-from FILE.jsonl.gz ..."; exit 2; }
+  merge_data "$@" | tee -a "$OUT/distill.log"
+  exit "${PIPESTATUS[0]}"
   ;;
 
 train)

@@ -13,6 +13,7 @@ process writes. (Or, without torchrun, one process per shard with `--shard i/n`,
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import random
@@ -210,6 +211,32 @@ def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
     return {"sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
             "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
             "processes": world, "seconds": round(time.time() - started)}
+
+
+def read_jsonl(path) -> list[dict]:
+    """The rows of a JSONL file, gzipped (`.gz`) or not."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def merge_data_files(paths, out) -> dict:
+    """Rows of several self-distillation files (each gzipped or not) in one file `out`, written atomically; each file's
+    prompt indices are moved past the previous files' (the held-out split keeps a prompt's answers together, and
+    indices of different prompt files would otherwise collide). Returns counts, like `distill_to_file`."""
+    rows, offset = [], 0
+    for path in paths:
+        part = read_jsonl(path)
+        top = -1
+        for row in part:
+            if "prompt_index" in row:
+                top = max(top, row["prompt_index"])
+                row["prompt_index"] += offset
+        rows += part
+        offset += top + 1
+    write_jsonl(rows, out)
+    return {"sequences": len(rows), "sampled": sum(r.get("sampled", False) for r in rows),
+            "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows), "files": len(paths)}
 
 
 def write_jsonl(rows, path) -> None:
