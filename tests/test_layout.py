@@ -20,11 +20,14 @@ LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "t
 
 
 def package_modules() -> dict[str, Path]:
-    """dflash2's modules (dotted names below the package) -> file, tests and drafter folders left out."""
+    """dflash2's modules (dotted names below the package) -> file, tests and drafter folders left out, and folders that
+    are no subpackage (no __init__.py: a user's run folder under the checkout holds exported drafters' .py files)."""
     modules = {}
     for path in ROOT.rglob("*.py"):
         relative = path.relative_to(ROOT)
         if relative.parts[0] in ("tests", "drafters", "docs", "scripts", "build") or relative.parts[0].startswith("."):
+            continue
+        if len(relative.parts) > 1 and not (ROOT / relative.parts[0] / "__init__.py").is_file():
             continue
         parts = list(relative.with_suffix("").parts)
         if parts[-1] == "__init__" and len(parts) > 1:
