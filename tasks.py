@@ -120,10 +120,14 @@ def kept_messages(tokenizer, messages: list[dict], max_prompt_tokens: int) -> li
     return messages
 
 
+def read_jsonl(path) -> list[dict]:
+    """The rows of a JSONL file, gzipped if the name ends in .gz."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
 def read_prompts(path, limit: int | None = None) -> list:
     """The prompts of a JSONL file (python -m dflash2.training.prompts writes them; gzipped if the name ends in .gz),
     the first `limit`: the "messages" conversation of a row when it has one, else its "prompt" text."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for line in handle if line.strip()][:limit]
-    return [row["messages"] if row.get("messages") else row["prompt"] for row in rows]
+    return [row["messages"] if row.get("messages") else row["prompt"] for row in read_jsonl(path)[:limit]]

@@ -89,8 +89,11 @@ data)
     if [ "$size" -le $((56 * 1048576)) ]; then split -b 15M /tmp/data.jsonl.gz "$OUT/data.jsonl.gz."
     else echo "data: not returned, $((size / 1048576)) MB gzipped is more than \$OUT takes back"; fi
   fi
-  # earlier sessions' answers (carried) join this call's, their prompt indices moved past these
-  merge_data "$new" ${EXTRA_DATA:-} | tee -a "$OUT/distill.log"
+  if [ -n "${EXTRA_DATA:-}" ]; then  # earlier sessions' answers (carried) join this call's, indices moved past these
+    merge_data "$new" $EXTRA_DATA | tee -a "$OUT/distill.log"
+  else
+    cp "$new" "$DATA"  # $new stays for a later data-from
+  fi
   carried
   exit "$status"
   ;;

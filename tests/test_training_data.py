@@ -414,7 +414,8 @@ def test_merged_answer_files_keep_every_row_and_move_prompt_indices_apart(tmp_pa
     import gzip
 
     from dflash2.training.recipe import split_held_out
-    from dflash2.training.selfdistill import merge_data_files, read_jsonl, write_jsonl
+    from dflash2.tasks import read_jsonl
+    from dflash2.training.selfdistill import merge_data_files, write_jsonl
 
     first = [{"input_ids": [1, 2, 3], "prompt_length": 1, "prompt_index": i // 2, "sampled": i % 2 == 1}
              for i in range(6)]  # prompts 0-2, a greedy and a sampled answer each

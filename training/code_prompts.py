@@ -7,7 +7,8 @@ Two sources, beside `prompts.py`'s stubs and stdlib API requests:
   content: the tasks that MT-Bench and HumanEval ask are left out, and `drop_humaneval_named` drops any task that
   names a HumanEval function)
 * ``code-review`` - real functions (their whole source, parsed with `ast` from the stdlib and installed packages,
-  never imported) with a request about them: explain, review, test, rewrite in another language, ...
+  never imported: `source_functions`, which `prompts.py`'s stubs walk too) with a request about them: explain,
+  review, test, rewrite in another language, ...
 
 Both are deterministic for a seed; `prompts.build_prompts` mixes them in (`n_code_chat`, `n_code_review`).
 """
@@ -20,7 +21,7 @@ import random
 import re
 import textwrap
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 # ------------------------------------------------------------------------------------------------ code-chat
 
@@ -310,12 +311,11 @@ REVIEW_MIN_CHARS, REVIEW_MAX_CHARS = 200, 1500
 REVIEW_MIN_LINES, REVIEW_MAX_LINES = 5, 40
 
 
-def function_sources(roots: Iterable[Path], exclude_names: Iterable[str] = (),
-                     skipped_parts: Iterable[str] = ()) -> list[str]:
-    """The whole source (dedented, docstring kept) of public functions and methods of 5-40 lines and 200-1500
-    characters under the given roots, in a deterministic order, without repeats; files are parsed, never imported."""
-    excluded, skipped = set(exclude_names), frozenset(skipped_parts)
-    seen, sources = set(), []
+def source_functions(roots: Iterable[Path], skipped_parts: Iterable[str] = ()) -> Iterator[tuple]:
+    """(function node, its class name or None, the file's lines) for every function and method (of a public class)
+    defined at the top of a module under `roots`, files in sorted order, none under a folder named in
+    `skipped_parts`; files are parsed with `ast`, never imported, and the ones that do not parse are passed over."""
+    skipped = frozenset(skipped_parts)
     for root in roots:
         for path in sorted(root.rglob("*.py")):
             if skipped.intersection(path.relative_to(root).parts):
@@ -323,25 +323,34 @@ def function_sources(roots: Iterable[Path], exclude_names: Iterable[str] = (),
             try:
                 text = path.read_text(encoding="utf-8")
                 tree = ast.parse(text)
-                lines = text.splitlines(keepends=True)
             except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
                 continue
-            scopes = [tree] + [node for node in tree.body
-                               if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
-            for scope in scopes:
+            lines = text.splitlines(keepends=True)
+            scopes = [(tree, None)] + [(node, node.name) for node in tree.body
+                                       if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
+            for scope, class_name in scopes:
                 for node in scope.body:
-                    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in excluded:
-                        continue
-                    count = node.end_lineno - node.lineno + 1
-                    if node.decorator_list or not REVIEW_MIN_LINES <= count <= REVIEW_MAX_LINES:
-                        continue
-                    # whole lines (ast.get_source_segment re-splits the file on every call: minutes for torch)
-                    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
-                    if not REVIEW_MIN_CHARS <= len(code) <= REVIEW_MAX_CHARS or "```" in code:
-                        continue
-                    if code not in seen:
-                        seen.add(code)
-                        sources.append(code)
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        yield node, class_name, lines
+
+
+def function_sources(roots: Iterable[Path], exclude_names: Iterable[str] = (),
+                     skipped_parts: Iterable[str] = ()) -> list[str]:
+    """The whole source (dedented, docstring kept) of public functions and methods of 5-40 lines and 200-1500
+    characters under the given roots (`source_functions`), in a deterministic order, without repeats."""
+    excluded = set(exclude_names)
+    seen, sources = set(), []
+    for node, _, lines in source_functions(roots, skipped_parts):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in excluded:
+            continue
+        count = node.end_lineno - node.lineno + 1
+        if node.decorator_list or not REVIEW_MIN_LINES <= count <= REVIEW_MAX_LINES:
+            continue
+        # whole lines (ast.get_source_segment re-splits the file on every call: minutes for torch)
+        code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
+        if REVIEW_MIN_CHARS <= len(code) <= REVIEW_MAX_CHARS and "```" not in code and code not in seen:
+            seen.add(code)
+            sources.append(code)
     return sources
 
 

@@ -662,25 +662,16 @@ def function_stub(node, class_name: str | None) -> str | None:
 
 
 def source_function_stubs(roots: Iterable[Path] | None = None, exclude_names: Iterable[str] = ()) -> list[str]:
-    """Stubs of public, documented functions and methods in the given source trees, in a deterministic order."""
+    """Stubs of public, documented functions and methods in the given source trees (`code_prompts.source_functions`),
+    in a deterministic order."""
     excluded = set(exclude_names)
     stubs = []
-    for root in roots if roots is not None else source_roots():
-        for path in sorted(root.rglob("*.py")):
-            if _SKIPPED_SOURCE_PARTS.intersection(path.relative_to(root).parts):
-                continue
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-                continue
-            scopes = [(tree, None)] + [(node, node.name) for node in tree.body
-                                       if isinstance(node, ast.ClassDef) and not node.name.startswith("_")]
-            for scope, class_name in scopes:
-                for node in scope.body:
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in excluded:
-                        stub = function_stub(node, class_name)
-                        if stub is not None:
-                            stubs.append(stub)
+    for node, class_name, _ in code_prompts.source_functions(roots if roots is not None else source_roots(),
+                                                             _SKIPPED_SOURCE_PARTS):
+        if node.name not in excluded:
+            stub = function_stub(node, class_name)
+            if stub is not None:
+                stubs.append(stub)
     return dedupe(stubs)
 
 

@@ -13,7 +13,6 @@ process writes. (Or, without torchrun, one process per shard with `--shard i/n`,
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import random
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2.tasks import prompt_ids, read_prompts
+from dflash2.tasks import prompt_ids, read_jsonl, read_prompts
 from dflash2.training import decoding
 from dflash2.training.decoding import left_padded
 
@@ -211,13 +210,6 @@ def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
     return {"sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
             "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
             "processes": world, "seconds": round(time.time() - started)}
-
-
-def read_jsonl(path) -> list[dict]:
-    """The rows of a JSONL file, gzipped (`.gz`) or not."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def merge_data_files(paths, out) -> dict:
