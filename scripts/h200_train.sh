@@ -23,7 +23,9 @@
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
-# EPOCHS (none), LAYERS (3), HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
+# EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
+# set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
+# HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
 # runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder to start
 # from instead of scratch), RETURN_DRAFTER (1; 0 returns the run's logs and config without its weights: $OUT takes back
 # 64 MiB, two block-16 drafters' worth).
@@ -113,6 +115,7 @@ train)
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
   unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
   epochs=(); [ -n "${EPOCHS:-}" ] && epochs=(--epochs "$EPOCHS")
+  budget=(--time-budget "${BUDGET:-$job_s}"); [ -n "${STEPS:-}" ] && [ -z "${BUDGET:-}" ] && budget=()  # by steps
   if [ -e "$run/checkpoint/trainer_state.pt" ]; then
     echo "resuming $run from its checkpoint"; resume=(--resume)
   else
@@ -123,8 +126,8 @@ train)
     --out "$run" --device "$DEVICE" --dflash-version "$version" "${init[@]}" "${resume[@]}" \
     --layers "${LAYERS:-3}" --intermediate-size 1280 --selector-rank 16 --selector-top-k 16 \
     --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
-    --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps 1000000 \
-    --time-budget "${BUDGET:-$job_s}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
+    --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps "${STEPS:-1000000}" \
+    "${budget[@]}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
     --checkpoint-every 1000 \
     2>&1 | quiet | tee -a "$OUT/train-$name.log"
   status=${PIPESTATUS[0]}
