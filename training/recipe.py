@@ -107,9 +107,9 @@ def run(args) -> Path:
     from dflash2.modeling_dflash2 import DFlash2DraftModel
     from dflash2.training.distributed import (broadcast_from_main, finish_distributed, host_group, init_distributed,
                                               rank_and_world)
-    from dflash2.tasks import read_prompts
+    from dflash2.tasks import read_jsonl, read_prompts
     from dflash2.training.selfdistill import distill_options, distill_to_file
-    from dflash2.training.trainer import TrainConfig, load_sequences, train
+    from dflash2.training.trainer import TrainConfig, train
 
     device = init_distributed(args.device)
     rank, world = rank_and_world()
@@ -143,7 +143,7 @@ def run(args) -> Path:
         summary = distill_to_file(target, tokenizer, prompts, data_path, max_new_tokens=args.max_new_tokens,
                                   batch_size=args.gen_batch_size, **distill_options(args, "gen-"))
         log(json.dumps({"self_distill": summary["sequences"], **summary}))
-    sequences = load_sequences(data_path)
+    sequences = read_jsonl(data_path)  # training.selfdistill's rows {"input_ids", "prompt_length", ...}, .gz or not
     held_out, sequences = split_held_out(sequences, args.held_out, args.seed)
     if not sequences:
         raise SystemExit(f"dflash2 train: --held-out {args.held_out} keeps every sequence of {data_path} out of "

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from dflash2.generation.export import atomic_folder
 from dflash2.modeling_dflash2 import DFlash2DraftModel, bilinear_scores, tap_target_features
-from dflash2.tasks import read_jsonl
 from dflash2.training.distributed import broadcast_from_main, host_group, rank_and_world
 
 
@@ -297,11 +296,6 @@ def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]
 
 
 # ------------------------------------------------------------------------------------------------ data
-def load_sequences(path) -> list[dict]:
-    """JSONL rows {"input_ids": [...], "prompt_length": int, ...} written by `training.selfdistill` (or gzipped)."""
-    return read_jsonl(path)
-
-
 def training_window(total: int, prompt_length: int, max_length: int) -> int:
     """Where a row longer than `max_length` starts: the whole response and the prompt's last tokens when the response
     leaves at least a quarter of the window to the prompt, else the last quarter-window of the prompt and the
