@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .candidate_generator import DFlash2CandidateGenerator
+from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
 from .decode import own_loop_generate
 from .stats import DFlash2Stats
 
@@ -47,7 +47,8 @@ def attach(drafter, target, use_by_default: bool = False):
     def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, *args, **kwargs):
         if is_dflash2_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
-            return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids)
+            return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids,
+                                             model_kwargs)
         generator = original_get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
@@ -69,6 +70,9 @@ def attach(drafter, target, use_by_default: bool = False):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
                 return _own_loop(target, args, kwargs)
+            elif kwargs.get("speculation_type") != "dflash":
+                with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
+                    return original_generate(*args, **kwargs)
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
