@@ -7,8 +7,9 @@ path through the top-k candidates. The loop then verifies the block with one tar
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
 of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (at most
-a block short of the cache), and the loop encodes only what follows (`encode_only_uncached`). A cache the drafter did not
-fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the whole conversation.
+a block short of the cache), and the loop encodes only what follows (`encode_only_uncached`). A cache the drafter did
+not fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the whole
+conversation.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         eos = generation_config._eos_token_tensor if hasattr(generation_config, "_eos_token_tensor") else None
         self.eos_token_ids = eos.flatten().tolist() if eos is not None else []
         self.model_kwargs_overrides = {"output_hidden_states": True}
-        self.context = continued_context(drafter, target_cache_of(model_kwargs), input_ids, model_kwargs)
+        self.context = continued_context(drafter, target_cache_of(model_kwargs), input_ids,
+                                         mask_length(model_kwargs, generation_config))
         self.cache = self.context.cache
         self.first_round = True  # the first drafting round of this call follows its prefill
         self.prompt_length = input_ids.shape[1] if input_ids is not None else None
@@ -140,7 +142,13 @@ def target_cache_of(model_kwargs) -> object | None:
     return cache if cache is not None else model_kwargs.get("past_key_values")
 
 
-def continued_context(drafter, target_cache, input_ids, model_kwargs=None) -> DraftContext:
+def mask_length(model_kwargs, generation_config) -> int | None:
+    """Columns of the call's attention mask (transformers 5.23+ drops an all-ones mask and keeps its length aside)."""
+    mask = (model_kwargs or {}).get("attention_mask")
+    return mask.shape[-1] if mask is not None else getattr(generation_config, "_mask_length", None)
+
+
+def continued_context(drafter, target_cache, input_ids, mask_columns: int | None = None) -> DraftContext:
     """The drafter's context for a call whose target cache is `target_cache` (a new one, or one an earlier turn filled).
 
     An earlier turn's context continues when it was drafted by this drafter over the same leading tokens; the target
@@ -153,11 +161,10 @@ def continued_context(drafter, target_cache, input_ids, model_kwargs=None) -> Dr
         return context
     cached = target_cache.get_seq_length()
     if cached > 0 and input_ids is not None:
-        mask = (model_kwargs or {}).get("attention_mask")
-        if mask is not None and mask.shape[-1] > input_ids.shape[1]:
+        if mask_columns is not None and mask_columns > input_ids.shape[1]:
             raise ValueError(
                 f"DFlash 2 got a cache of {cached} tokens with only {input_ids.shape[1]} new input ids (an attention "
-                f"mask of {mask.shape[-1]}). Pass the whole conversation's ids with the cache of the earlier turn, as "
+                f"mask of {mask_columns}). Pass the whole conversation's ids with the cache of the earlier turn, as "
                 "`tokenizer.apply_chat_template(messages, ...)` returns them: the cached part is not encoded again.")
         earlier = getattr(target_cache, "dflash2_context", None)
         keep = reusable_length(earlier, drafter, input_ids, cached)

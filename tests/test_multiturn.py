@@ -1,0 +1,247 @@
+"""Multi-turn conversations with the cache of the last turn passed back: lossless in every loop, and a follow-up turn
+encodes only its new tokens (plus at most a block the drafter re-reads)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import EOS, assert_follows, sampling_case, tiny_drafter, tiny_target
+
+TURNS = {"assisted": {}, "static": {"cache_implementation": "static"}}
+NEW_TOKENS = 10
+
+
+def user_turns(batch: int, seed: int = 1):
+    """Three user turns per row (random ids, no EOS): 12 prompt tokens, then rows of unequal lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randint(4, 90, (n + row,), generator=generator).tolist() for row in range(batch)]
+            for n in (12, 5, 3)]
+
+
+def left_padded(rows: list[list[int]], pad: int = 0):
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+class ForwardWidths:
+    """Widths (input ids per row) of the target's forwards while inside."""
+
+    def __init__(self, target):
+        self.target, self.widths = target, []
+
+    def __enter__(self):
+        self.handle = self.target.register_forward_pre_hook(
+            lambda module, args, kwargs: self.widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def repeat_anchor_drafts(drafter):
+    """Replace the drafts by the anchor repeated: the tiny targets often repeat a token, so rounds accept 0 .. B-1
+    drafts (a random drafter's own drafts are never accepted). The drafter still drafts from its context."""
+    original = drafter.propose
+
+    def propose(anchor, hidden, *args, **kwargs):
+        proposal = original(anchor, hidden, *args, **kwargs)
+        proposal.tokens = anchor.view(-1, 1).expand_as(proposal.tokens).clone()
+        return proposal
+
+    drafter.propose = propose
+    return drafter
+
+
+def recorded_drafts(drafter):
+    """Record the denoised block of every drafting round (what the drafter's context decides) in `drafter.blocks`."""
+    original, drafter.blocks = drafter.propose, []
+
+    def propose(anchor, hidden, *args, **kwargs):
+        drafter.blocks.append(hidden.clone())
+        return original(anchor, hidden, *args, **kwargs)
+
+    drafter.propose = propose
+    return drafter
+
+
+def plain_greedy(target, row: list[int]) -> list[int]:
+    ids = torch.tensor([row])
+    return target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[0, len(row):].tolist()
+
+
+def converse(target, drafter, batch: int, **settings):
+    """Three turns, each passing the last turn's cache back with the whole conversation. Checks each row's new tokens
+    against plain greedy on the whole conversation; returns each turn's prefill width and the conversation lengths."""
+    conversations = [[] for _ in range(batch)]
+    cache, prefills, lengths, accepted = None, [], [], 0
+    for turn in user_turns(batch):
+        conversations = [c + t for c, t in zip(conversations, turn)]
+        ids, mask = left_padded(conversations)
+        extra = {} if cache is None else {"past_key_values": cache}
+        with ForwardWidths(target) as forwards:
+            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, eos_token_id=None, return_dict_in_generate=True, **extra, **settings)
+        for row in range(batch):
+            new = out.sequences[row, ids.shape[1]:].tolist()
+            assert new == plain_greedy(target, conversations[row]), (row, len(lengths))
+            conversations[row] = conversations[row] + new
+        prefills.append(forwards.widths[0])
+        lengths.append(ids.shape[1])
+        accepted += sum(drafter.last_stats.accepted_per_position)
+        cache = out.past_key_values
+    assert accepted > 0, "no draft was accepted: the turns would not test verification"
+    return prefills, lengths
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("loop,batch", [("assisted", 1), ("static", 1), ("static", 2)])
+def test_three_turns_equal_plain_greedy_and_encode_only_new_tokens(arch, loop, batch):
+    target = tiny_target(arch)
+    drafter = repeat_anchor_drafts(tiny_drafter(target).attach(target))
+    prefills, lengths = converse(target, drafter, batch, **TURNS[loop])
+    block = drafter.config.block_size
+    assert prefills[0] == lengths[0]
+    for turn in (1, 2):
+        # the new user tokens (5 or 3, +1 in row 1), the last answer's final token (never in the target cache) and the
+        # tail whose hidden states the drafter had not read yet: the last verified block and the last round's token
+        new_user_tokens = (5, 3)[turn - 1] + batch - 1
+        assert new_user_tokens < prefills[turn] <= new_user_tokens + block + 2, (prefills, lengths)
+
+
+def test_continued_drafter_context_drafts_as_a_fresh_one():
+    """The drafter's context continues exactly: every block a follow-up turn denoises equals the one the same turn
+    from scratch denoises (same context features at the same positions)."""
+    target = tiny_target("llama")
+    drafter = recorded_drafts(tiny_drafter(target).attach(target))
+    ids = torch.tensor([user_turns(1)[0][0]])
+    first = target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False,
+                            eos_token_id=None, return_dict_in_generate=True)
+    conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9, 10, 11]])], dim=1)
+    settings = dict(assistant_model=drafter, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    drafter.blocks.clear()
+    continued = target.generate(conversation, past_key_values=first.past_key_values, **settings)
+    continued_blocks, drafter.blocks = drafter.blocks, []
+    fresh = target.generate(conversation, **settings)
+    assert torch.equal(continued, fresh)
+    assert len(continued_blocks) == len(drafter.blocks) > 3
+    for ours, reference in zip(continued_blocks, drafter.blocks):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("loop", ["assisted", "static"])
+def test_a_cache_the_drafter_did_not_fill_is_encoded_again(loop):
+    """plain generate's cache: the turn re-encodes the whole conversation (the drafter needs its hidden states)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    ids = torch.tensor([user_turns(1)[0][0]])
+    first = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                            return_dict_in_generate=True)
+    conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=1)
+    with ForwardWidths(target) as forwards:
+        out = target.generate(conversation, past_key_values=first.past_key_values, assistant_model=drafter,
+                              max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **TURNS[loop])
+    assert out[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
+    assert forwards.widths[0] == conversation.shape[1]
+
+
+def test_own_loop_cache_of_an_older_request_is_encoded_again():
+    """Another request on the same buffers in between: the old cache no longer matches them, the turn starts over."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    static = dict(assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                  cache_implementation="static", return_dict_in_generate=True)
+    ids = torch.tensor([user_turns(1)[0][0]])
+    first = target.generate(ids, **static)
+    target.generate(torch.tensor([[9, 8, 7, 6, 5, 4]]), **static)
+    conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=1)
+    with ForwardWidths(target) as forwards:
+        out = target.generate(conversation, past_key_values=first.past_key_values, **static)
+    assert out.sequences[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
+    assert forwards.widths[0] == conversation.shape[1]
+
+
+def test_unusable_caches_get_one_clear_error():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    ids = torch.tensor([user_turns(1)[0][0]])
+    settings = dict(assistant_model=drafter, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    own = target.generate(ids, cache_implementation="static", **settings)
+    conversation = torch.cat([own.sequences, torch.tensor([[7, 8]])], dim=1)
+    with pytest.raises(ValueError, match="own loop.*same settings"):
+        target.generate(conversation, past_key_values=own.past_key_values, **settings)
+    assisted = target.generate(ids, **settings)
+    mask = torch.ones(1, assisted.sequences.shape[1] + 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="whole conversation"):  # only the new ids, with the whole mask
+        target.generate(torch.tensor([[7, 8]]), attention_mask=mask, past_key_values=assisted.past_key_values,
+                        **settings)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def test_follow_up_sampling_with_a_reused_cache_follows_the_target():
+    """Assisted loop: the same first turn (its cache copied for each draw), then a sampled follow-up turn; its 2nd and
+    3rd tokens follow the target's own distribution given the whole conversation."""
+    from helpers import exact_distribution_of_step
+
+    target, drafter = sampling_case()
+    first = target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=4, do_sample=False,
+                            eos_token_id=None, return_dict_in_generate=True)
+    conversation = torch.cat([first.sequences, torch.tensor([[8]])], dim=1)
+    length = conversation.shape[1]
+    generation = dict(do_sample=True, top_k=0, temperature=1.0, max_new_tokens=3, eos_token_id=None)
+    processors = target._get_logits_processor(target.generation_config.__class__(**generation), length)
+    torch.manual_seed(0)
+    draws, accepted = 1200, 0
+    counts = torch.zeros(2, target.config.vocab_size, dtype=torch.float64)
+    for _ in range(draws):
+        out = target.generate(conversation, past_key_values=copy.deepcopy(first.past_key_values),
+                              assistant_model=drafter, **generation)
+        for row, step in enumerate((1, 2)):
+            counts[row, out[0, length + step]] += 1
+        accepted += drafter.last_stats.accepted_per_position[0]
+    assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
+    for row, step in enumerate((1, 2)):
+        assert_follows(counts[row], exact_distribution_of_step(target, conversation, step, processors) * draws)
+
+
+def test_own_loop_follow_up_sampling_follows_the_target():
+    """Own loop: a sampled first turn of one token, then a sampled follow-up turn with its cache. The joint
+    distribution of (the first turn's token, the follow-up's 2nd token) matches the target's."""
+    from helpers import exact_distribution_of_step
+
+    target, drafter = sampling_case()
+    vocab, prompt = target.config.vocab_size, torch.tensor([[5, 6, 7]])
+    generation = dict(do_sample=True, top_k=0, temperature=1.0, eos_token_id=None, assistant_model=drafter,
+                      cache_implementation="static", return_dict_in_generate=True)
+    processors = target._get_logits_processor(target.generation_config.__class__(do_sample=True, top_k=0), 3)
+    torch.manual_seed(0)
+    draws, accepted = 1500, 0
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for _ in range(draws):
+        first = target.generate(prompt, max_new_tokens=1, **generation)
+        conversation = torch.cat([first.sequences, torch.tensor([[8, 9]])], dim=1)
+        out = target.generate(conversation, past_key_values=first.past_key_values, max_new_tokens=2, **generation)
+        counts[first.sequences[0, 3], out.sequences[0, conversation.shape[1] + 1]] += 1
+        accepted += drafter.last_stats.accepted_per_position[0]
+    assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
+    first_turn = exact_distribution_of_step(target, prompt, 0, processors)
+    expected = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for token in first_turn.nonzero().flatten().tolist():
+        conversation = torch.tensor([[5, 6, 7, token, 8, 9]])
+        expected[token] = first_turn[token] * exact_distribution_of_step(target, conversation, 1, processors)
+    assert_follows(counts.flatten(), expected.flatten() * draws)
+
+
+def test_eos_in_an_earlier_turn_is_part_of_the_conversation():
+    """A turn that ended at EOS: the conversation carries on after it (chat templates end turns so), still exact."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    row = user_turns(1)[0][0]
+    for settings in TURNS.values():
+        first = target.generate(torch.tensor([row + [EOS]]), assistant_model=drafter, max_new_tokens=6,
+                                do_sample=False, return_dict_in_generate=True, **settings)
+        conversation = torch.cat([first.sequences, torch.tensor([[EOS, 11, 12]])], dim=1)
+        out = target.generate(conversation, past_key_values=first.past_key_values, assistant_model=drafter,
+                              max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **settings)
+        assert out[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
