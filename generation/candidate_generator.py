@@ -6,10 +6,10 @@ path through the top-k candidates. The loop then verifies the block with one tar
 
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
-of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (at most
-a block short of the cache), and the loop encodes only what follows (`encode_only_uncached`). A cache the drafter did
+of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block
+and a token short of the cache at most), and the loop encodes only what follows (`encode_only_uncached`). A cache the drafter did
 not fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the whole
-conversation.
+conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it lacks.
 """
 
 from __future__ import annotations
@@ -172,7 +172,10 @@ def continued_context(drafter, target_cache, input_ids, mask_columns: int | None
             context = earlier
             crop_to(context.cache, keep)
             context.length = keep
-        crop_to(target_cache, keep)
+        if holds_every_position(target_cache):
+            crop_to(target_cache, keep)
+        else:  # no going back: the drafter's context skips the positions it lacks (fewer drafts accepted, same tokens)
+            context.length = cached
     target_cache.dflash2_context = context
     return context
 
@@ -182,6 +185,14 @@ def crop_to(cache, length: int) -> None:
     surplus = cache.get_seq_length() - length
     if surplus > 0:
         cache.crop(-surplus)
+
+
+def holds_every_position(cache) -> bool:
+    """False when a sliding-window layer of `cache` has passed its window: it dropped the oldest keys, so it cannot be
+    cropped back (transformers would keep a shorter window)."""
+    length = cache.get_seq_length()
+    return not any(getattr(layer, "is_sliding", False) and length >= layer.sliding_window
+                   for layer in getattr(cache, "layers", ()))
 
 
 def reusable_length(context: DraftContext | None, drafter, input_ids, cached: int) -> int:
