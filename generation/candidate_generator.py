@@ -7,9 +7,10 @@ path through the top-k candidates. The loop then verifies the block with one tar
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
 of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block
-and a token short of the cache at most), and the loop encodes only what follows (`encode_only_uncached`). A cache the drafter did
-not fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the whole
-conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it lacks.
+and a token short of the cache at most), and the loop encodes only what follows (`encode_only_uncached`). A cache the
+drafter did not fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the
+whole conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it
+lacks.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 # ------------------------------------------------------------------------------------------------ multi-turn
 @dataclass
 class DraftContext:
-    """The drafter's context cache beside a target cache: `length` verified positions, of the tokens `tokens[:, :length]`
-    ([1, >= length]), drafted by the drafter `drafter()`."""
+    """The drafter's context cache beside a target cache: `length` verified positions, of the tokens
+    `tokens[:, :length]` ([1, >= length]), drafted by the drafter `drafter()`."""
 
     drafter: weakref.ref
     cache: object

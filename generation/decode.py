@@ -42,8 +42,8 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
-                         f"{tuple(input_ids.shape)}. With the cache of an earlier turn, pass the whole conversation's ids "
-                         "and their mask: the cached part is not encoded again.")
+                         f"{tuple(input_ids.shape)}. With the cache of an earlier turn, pass the whole conversation's "
+                         "ids and their mask: the cached part is not encoded again.")
     check_left_padded(attention_mask)
     if streamer is not None and batch > 1:
         raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
