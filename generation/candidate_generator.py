@@ -8,8 +8,8 @@ A later turn of a conversation passes the target cache of the earlier turn back 
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
 of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block
 and a token short of the cache at most), and the loop encodes only what follows (`encode_only_uncached`). A cache the
-drafter did not fill (plain `generate`, another drafter, other tokens) is cropped to nothing: the turn encodes the
-whole conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it
+drafter did not fill (plain `generate`, another drafter, other tokens) is emptied: the turn encodes the whole
+conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it
 lacks.
 """
 
@@ -154,8 +154,8 @@ def continued_context(drafter, target_cache, input_ids, mask_columns: int | None
 
     An earlier turn's context continues when it was drafted by this drafter over the same leading tokens; the target
     cache is then cropped back to the positions that context holds, so the prefill encodes their hidden states anew.
-    Any other non-empty cache is cropped to nothing (the whole conversation is encoded once more). The context is
-    stored on the target cache, where the next turn finds it.
+    Any other non-empty cache is emptied (the whole conversation is encoded once more). The context is stored on the
+    target cache, where the next turn finds it.
     """
     context = DraftContext(weakref.ref(drafter), new_draft_cache())
     if target_cache is None:
@@ -173,12 +173,25 @@ def continued_context(drafter, target_cache, input_ids, mask_columns: int | None
             context = earlier
             crop_to(context.cache, keep)
             context.length = keep
-        if holds_every_position(target_cache):
+        if keep == 0:
+            check_layer_count(target_cache, drafter.config.num_target_layers)
+            target_cache.reset()  # the whole conversation again (also a cache of another model's shapes)
+        elif holds_every_position(target_cache):
             crop_to(target_cache, keep)
         else:  # no going back: the drafter's context skips the positions it lacks (fewer drafts accepted, same tokens)
             context.length = cached
     target_cache.dflash2_context = context
     return context
+
+
+def check_layer_count(cache, num_layers: int | None) -> None:
+    """A cache of fixed layers (transformers builds one per layer of the model that filled it) must have the target's
+    (`num_layers`; None: unknown, not checked)."""
+    layers = getattr(cache, "layers", None)
+    if num_layers and layers and getattr(cache, "layer_class_to_replicate", None) is None and len(layers) != num_layers:
+        raise ValueError(
+            f"The cache passed as past_key_values has {len(layers)} layers and the target {num_layers}: another model "
+            "filled it. Pass the cache this target's generate returned (out.past_key_values), or none.")
 
 
 def crop_to(cache, length: int) -> None:

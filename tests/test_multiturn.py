@@ -153,12 +153,15 @@ def test_continued_drafter_context_drafts_as_a_fresh_one():
 
 
 @pytest.mark.parametrize("loop", ["assisted", "static"])
-def test_a_cache_the_drafter_did_not_fill_is_encoded_again(loop):
-    """plain generate's cache: the turn re-encodes the whole conversation (the drafter needs its hidden states)."""
+@pytest.mark.parametrize("filled_by", ["plain generate", "another model"])
+def test_a_cache_the_drafter_did_not_fill_is_encoded_again(loop, filled_by):
+    """plain generate's cache, or another model's: the turn re-encodes the whole conversation (the drafter needs its
+    hidden states) and equals plain greedy on it."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target).attach(target)
     ids = torch.tensor([user_turns(1)[0][0]])
-    first = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+    filler = target if filled_by == "plain generate" else tiny_target("llama", seed=4, hidden=32)
+    first = filler.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                             return_dict_in_generate=True)
     conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=1)
     with ForwardWidths(target) as forwards:
@@ -193,6 +196,10 @@ def test_unusable_caches_get_one_clear_error():
     conversation = torch.cat([own.sequences, torch.tensor([[7, 8]])], dim=1)
     with pytest.raises(ValueError, match="own loop.*same settings"):
         target.generate(conversation, past_key_values=own.past_key_values, **settings)
+    other = tiny_target("llama", seed=4, layers=4).generate(ids, max_new_tokens=4, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="has 4 layers and the target 6"):
+        target.generate(torch.cat([other.sequences, torch.tensor([[7, 8]])], dim=1),
+                        past_key_values=other.past_key_values, **settings)
     assisted = target.generate(ids, **settings)
     mask = torch.ones(1, assisted.sequences.shape[1] + 2, dtype=torch.long)
     with pytest.raises(ValueError, match="whole conversation"):  # only the new ids, with the whole mask
