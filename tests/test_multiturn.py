@@ -1,5 +1,5 @@
 """Multi-turn conversations with the cache of the last turn passed back: lossless in every loop, and a follow-up turn
-encodes only its new tokens (plus at most a block the drafter re-reads)."""
+encodes only its new tokens (plus at most a block and two tokens the drafter re-reads)."""
 
 import copy
 import importlib.util
@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import EOS, assert_follows, sampling_case, tiny_drafter, tiny_target
+
+from dflash2.training.decoding import left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = {"assisted": {}, "static": {"cache_implementation": "static"}}
@@ -19,13 +21,6 @@ def user_turns(batch: int, seed: int = 1):
     generator = torch.Generator().manual_seed(seed)
     return [[torch.randint(4, 90, (n + row,), generator=generator).tolist() for row in range(batch)]
             for n in (12, 5, 3)]
-
-
-def left_padded(rows: list[list[int]], pad: int = 0):
-    width = max(len(row) for row in rows)
-    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    return ids, mask
 
 
 class ForwardWidths:
@@ -81,7 +76,7 @@ def converse(target, drafter, batch: int, **settings):
     cache, prefills, lengths, accepted = None, [], [], 0
     for turn in user_turns(batch):
         conversations = [c + t for c, t in zip(conversations, turn)]
-        ids, mask = left_padded(conversations)
+        ids, mask = left_padded(conversations, 0)
         extra = {} if cache is None else {"past_key_values": cache}
         with ForwardWidths(target) as forwards:
             out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW_TOKENS,
@@ -298,7 +293,7 @@ def test_default_target_chat_turns_equal_plain_greedy_in_every_loop():
             for row in range(batch):
                 chats[row].append({"role": "user", "content": questions[row][turn]})
             rows = [conversation_ids(tokenizer, chat) for chat in chats]
-            ids, mask = left_padded(rows, pad=tokenizer.pad_token_id)
+            ids, mask = left_padded(rows, tokenizer.pad_token_id)
             extra = {} if cache is None else {"past_key_values": cache}
             with ForwardWidths(target) as forwards:
                 out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=24,
