@@ -139,6 +139,10 @@ def check_drafter(drafter: str) -> dict:
                          "folder of an exported drafter, or leave --drafter out for the shipped one.")
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--drafter {drafter}: {folder / 'config.json'} is damaged (not valid JSON: {error}). Copy "
+                         "the folder again, or export the drafter again with drafter.save_pretrained(folder).") from None
+    try:
         check_drafter_files(folder)
     except (OSError, ValueError) as error:
         raise UsageError(str(error)) from None

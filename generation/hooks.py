@@ -190,6 +190,12 @@ def check_request(target, drafter, args, kwargs) -> None:
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if inputs is None or not hasattr(inputs, "dim") or inputs.dim() != 2:
         return
+    if inputs.shape[1] == 0:
+        raise ValueError(
+            f"The prompt is empty (input_ids of shape {tuple(inputs.shape)}): speculative decoding drafts from the "
+            "last prompt token, so it needs at least one. Pass a non-empty prompt (the chat template's output, or the "
+            "BOS token alone: torch.tensor([[tokenizer.bos_token_id]]))."
+        )
     limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and inputs.shape[1] > limit:
         raise ValueError(

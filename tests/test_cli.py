@@ -96,6 +96,18 @@ def test_argument_errors_are_one_line_before_any_model_load(incomplete_drafter, 
         assert exit_line(["generate", *argv], capsys) == (code, line), argv
 
 
+def test_a_damaged_drafter_config_is_named(incomplete_drafter, tmp_path, no_model_load, capsys):
+    import shutil
+
+    folder = shutil.copytree(incomplete_drafter[0], tmp_path / "damaged")
+    config = folder / "config.json"
+    config.write_text(config.read_text()[:200])  # cut inside a string: json's own message names no file
+    code, line = exit_line(["generate", "--drafter", str(folder)], capsys)
+    assert code == 1
+    assert line.startswith(f"dflash2: error: --drafter {folder}: {config} is damaged (not valid JSON: ")
+    assert line.endswith("). Copy the folder again, or export the drafter again with drafter.save_pretrained(folder).")
+
+
 def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load, capsys):
     assert exit_line(["bench", "--num-prompts", "0"], capsys) == (
         2, "dflash2 bench: error: argument --num-prompts: must be at least 1, got 0 (see dflash2 bench --help)")
