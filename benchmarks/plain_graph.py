@@ -148,7 +148,8 @@ def forget_plain_graph_loops(model) -> None:
 # ------------------------------------------------------------------------------------------------ timing forwards
 def device_ms(fn, device, replays: int = 50, repeats: int = 3) -> float:
     """Milliseconds per call of `fn`, the median over `repeats` of `replays` back-to-back calls: timed by CUDA events
-    on a GPU (device time, no host read in between), by the wall clock on a CPU."""
+    on a GPU (device time, no host read in between), by the wall clock on a CPU. One untimed call first."""
+    fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
