@@ -51,3 +51,23 @@ def test_time_forward_replays_the_same_columns():
     target = tiny_target("qwen3", seed=6)
     for tokens in (1, 16):
         assert time_forward(target, tokens, context=12, replays=3) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["graph", "fused-graph"])
+def test_captured_loop_equals_plain_greedy_on_the_gpu(compile):
+    """The step captured as a CUDA graph (fused by inductor first with compile=True) equals plain greedy in fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for arch in ("llama", "qwen3"):
+        target = tiny_target(arch, seed=7).cuda()
+        rng = random.Random(arch)
+        for length in (1, 9, 40):
+            ids = torch.randint(4, VOCAB, (1, length), device="cuda")
+            free = plain(target, ids, 60, None)
+            eos = int(free[0, length + rng.randrange(5, 40)])
+            for stop in (None, eos):
+                out = plain_graph_generate(target, ids, 60, eos_token_id=stop, pad_token_id=0, compile=compile)
+                assert torch.equal(out, plain(target, ids, 60, stop)), (arch, length, stop)
+        assert {loop.kind for loop in target.plain_graph_loops.values()} == {
+            "graph (fused)" if compile else "graph (eager kernels)"}
+        assert time_forward(target, 16, context=40) > 0
