@@ -69,7 +69,8 @@ SMOKE_SHAPES = {
 }
 PARTS = ("8b", "8b-long", "32b", "lossless")
 METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "fused", "plain-static")
-DEFAULT_METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "plain-static")  # fused: an invocation of its own
+# fused: an invocation of its own
+DEFAULT_METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "plain-static")
 COMPILING = {"fused": 240.0, "plain-static": 150.0}  # seconds a method may need beyond its runs (compile)
 
 
