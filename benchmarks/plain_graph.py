@@ -2,7 +2,7 @@
 
 gpt-fast style, with no `generate` around it: one static cache (transformers' `StaticCache`), the prompt prefilled
 once, then one-token steps. A step -- the model's forward, the argmax, the token written into a preallocated output
-buffer on the device, the cache position advanced on the device -- is captured once as a CUDA graph
+buffer on the device, the cache's write column advanced by the cache on the device -- is captured once as a CUDA graph
 (`generation.graphs.CapturedGraph`: warm-up on a side stream, then the capture) and replayed; with `compile=True` the
 step is compiled by inductor first and that is captured. The host reads the device once every `check_every` steps (have
 all rows reached EOS?) and once at the end (the tokens); without EOS it reads only at the end. On a CPU (or a model
@@ -11,7 +11,8 @@ spread over several devices) the same step runs as plain calls.
 EOS. Steps queued between two reads run on after a row's EOS; their tokens are dropped (each row is cut after its
 first EOS and right-padded, as `generate` does), so the output and the token count equal plain greedy `generate`'s,
 while the time includes the at most `check_every - 1` wasted steps (DFlash 2's loop reads every 4 rounds the same
-way). The prefill is one eager forward per call, timed like every method's prefill.
+way). A call's prefill empties the cache (`StaticCache.reset`) and runs one eager forward, timed like every method's
+prefill.
 
 Buffers. The cache has `capacity` columns, the next power of two of at least 512 that holds prompt + new tokens: a
 step attends over every column (like `generate`'s static cache, which is sized to the request), and one captured
