@@ -128,12 +128,13 @@ def runnable(fn, compile: bool, capture: bool):
     """`fn` without gradients, compiled by inductor when asked, captured as a CUDA graph when `capture`."""
     from dflash2.generation.graphs import CapturedGraph
 
+    step = torch.compile(fn, mode="default", dynamic=False) if compile else fn  # each part its own code object
+
     def part():
         with torch.no_grad():
-            fn()
+            step()
 
-    step = torch.compile(part, mode="default", dynamic=False) if compile else part
-    return CapturedGraph(step) if capture else step
+    return CapturedGraph(part) if capture else part
 
 
 def profile(target, drafter, context: int, compile: bool, replays: int) -> dict:
