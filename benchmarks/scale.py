@@ -18,6 +18,8 @@ Loops: `assisted` (transformers' loop, `generate(assistant_model=drafter)`), `gr
 `cache_implementation="static"`: the round captured as a CUDA graph of eager kernels), `fused` (the same round compiled
 by inductor, then captured; one compile, batch 1, first block size), `batched` (batch 4 and 8, one round per step for
 the whole batch); plain decoding `plain-eager` and `plain-static` (transformers compiles the static-cache forward).
+`plain-graph` is the expert per-token baseline: plain greedy decoding with no `generate`, the one-token step captured
+as a CUDA graph and replayed with no host read per token (`benchmarks/plain_graph.py`; eager on a split target).
 On a target split over GPUs the own loops cannot be captured and run their round eagerly (`kind` says so).
 `plain-static` runs last in a part: a fused DFlash 2 graph replayed after transformers' compiled plain decoding in the
 same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects methods for a process of its
@@ -66,8 +68,9 @@ SMOKE_SHAPES = {
                      intermediate_size=128, vocab_size=256),
 }
 PARTS = ("8b", "8b-long", "32b", "lossless")
-METHODS = ("plain-eager", "assisted", "graph", "batched", "fused", "plain-static")
-DEFAULT_METHODS = ("plain-eager", "assisted", "graph", "batched", "plain-static")  # fused: an invocation of its own
+METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "fused", "plain-static")
+# fused: an invocation of its own
+DEFAULT_METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "plain-static")
 COMPILING = {"fused": 240.0, "plain-static": 150.0}  # seconds a method may need beyond its runs (compile)
 
 
@@ -183,6 +186,12 @@ def generate(target, ids, new_tokens: int, devices, **kwargs):
     """One greedy generate call of exactly `new_tokens` tokens (no EOS): output and wall seconds."""
     synchronize(devices)
     started = time.perf_counter()
+    if kwargs.pop("plain_graph", False):  # the plain CUDA-graph loop (rows of one length: no mask)
+        from dflash2.benchmarks.plain_graph import plain_graph_generate
+
+        out = plain_graph_generate(target, ids, new_tokens)
+        synchronize(devices)
+        return out, time.perf_counter() - started
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                           eos_token_id=None, pad_token_id=0, **kwargs)
     synchronize(devices)
@@ -247,6 +256,11 @@ def time_method(method: str, target, drafter, ids, args, devices, extra=None) ->
     result["peak_memory_gb"] = peak_gb(devices)
     if drafter is not None:
         forget_own_loops(drafter)
+    if method == "plain-graph":
+        from dflash2.benchmarks.plain_graph import forget_plain_graph_loops
+
+        forget_plain_graph_loops(target)
+        forget_own_loops_cache()
     return result
 
 
@@ -299,7 +313,7 @@ def projections(results: list[dict]) -> list[dict]:
     for r in results:
         if "per_round_ms" not in r:
             continue
-        for baseline in ("plain-eager", "plain-static"):
+        for baseline in ("plain-eager", "plain-static", "plain-graph"):
             token_ms = plain.get((baseline, r["batch"], r["prompt_tokens"]))
             if token_ms is None:
                 continue
@@ -330,6 +344,7 @@ def part_speed(name: str, args, budget, split: bool) -> dict:
     prompts = {b: random_prompts(b, args.prompt_tokens, shape["vocab_size"], seed=b).to(first)
                for b in sorted({1, *args.batch_sizes})}
     plain_plan = [("plain-eager", None, prompts[b], {}) for b in prompts]
+    plain_plan += [("plain-graph", None, prompts[b], {"plain_graph": True}) for b in prompts]
     run_methods(plain_plan, target, args, devices, budget, report["results"], name)
     drafters = []
     for block in args.block_sizes:
@@ -490,17 +505,21 @@ def part_lossless(args, budget) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 def table(report: dict) -> str:
     lines = [f"{'part':9} {'method':13} {'B':>3} {'batch':>5} {'prompt':>6} {'round ms':>9} {'token ms':>9} "
-             f"{'prefill s':>9} {'tau':>5} {'peak GB':>8}  projected speedup vs plain-static (tau 4.0/5.0/6.5)"]
+             f"{'prefill s':>9} {'tau':>5} {'peak GB':>8}  projected speedup vs plain-static; vs plain-graph "
+             "(tau 4.0/5.0/6.5)"]
     for part, data in report["parts"].items():
-        projected = {(p["method"], p["block_size"], p["batch"], p["prompt_tokens"]): p["speedup"]
-                     for p in data.get("projected", []) if p["against"] == "plain-static"}
+        projected = {}
+        for p in data.get("projected", []):
+            if p["against"] in ("plain-static", "plain-graph"):
+                projected.setdefault((p["method"], p["block_size"], p["batch"], p["prompt_tokens"]), {})[
+                    p["against"]] = "/".join(f"{v:.2f}" for v in p["speedup"].values())
         for r in data.get("results", []):
             if "skipped" in r or "error" in r:
                 lines.append(f"{part:9} {r['method']:13} {r.get('block_size') or '':>3} {r['batch']:>5} "
                              f"{r['prompt_tokens']:>6}  {r.get('skipped') or r.get('error')}")
                 continue
             key = (r["method"], r.get("block_size"), r["batch"], r["prompt_tokens"])
-            speedup = "/".join(f"{v:.2f}" for v in projected[key].values()) if key in projected else ""
+            speedup = "; ".join(f"{k} {v}" for k, v in projected.get(key, {}).items())
             lines.append(f"{part:9} {r['method']:13} {r.get('block_size') or '':>3} {r['batch']:>5} "
                          f"{r['prompt_tokens']:>6} {r.get('per_round_ms', ''):>9} {r.get('per_token_ms', ''):>9} "
                          f"{r.get('prefill_s', ''):>9} {r.get('tau', ''):>5} {str(r.get('peak_memory_gb')):>8}  "

@@ -9,7 +9,12 @@ Reports, in one process on one machine:
 - `--sweep N`: N prompts of N distinct token lengths, fixed new-token count (EOS ignored), at batch 1 and batch 8:
   slowest over median per-prompt time (a recompile or a capture would show as a stall);
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
-- the round's device time (back-to-back graph replays) against its wall time inside a generate call.
+- the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
+  the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
+Methods (`--methods`): `dflash2`, `plain` (compiled `generate` with a static cache) and `plain-graph`, the expert
+baseline: a plain greedy loop with the step captured as a CUDA graph, no `generate`, no host read per token
+(`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor first). Steady-state speedups are
+reported against every baseline in the run.
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -80,6 +85,8 @@ def main(argv=None):
                              "(generation/fusion.py)")
     fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
                         "round's kernels (on a CPU: the eager round)")
+    parser.add_argument("--plain-graph-compile", action="store_true",
+                        help="plain-graph: compile the step with inductor before capturing it")
     parser.add_argument("--methods", default="dflash2,plain",
                         help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
                              "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
@@ -121,6 +128,9 @@ def main(argv=None):
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
 
     def call(method, ids, **extra):
+        if method == "plain-graph":
+            out, seconds = timed_plain_graph(target, ids, device, args.plain_graph_compile, **{**common, **extra})
+            return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
                                                      **methods[method], **extra})
         stats = drafter.last_stats if method == "dflash2" else None
@@ -130,7 +140,8 @@ def main(argv=None):
     # of HumanEval), then every prompt once, as a user's first minutes go.
     sections = set(args.sections.split(","))
     selected = args.methods.split(",")
-    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2"] if m in selected]
+    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2", "plain-graph"]
+             if m in selected]
     cold, first_pass = {}, []
     for method in order if "cold" in sections else []:
         _, seconds, tokens, _ = call(method, encoded["humaneval"][0])
@@ -168,14 +179,15 @@ def main(argv=None):
                 outs[method], s, tokens, stats = call(method, ids)
                 rows[method].append((s, tokens, new_ids(outs[method], ids)))
                 forwards += stats.target_forwards if stats is not None else 0
-            agree += int(len(outs) == 2 and torch.equal(outs["dflash2"], outs["plain"]))
+            agree += int("dflash2" in outs and "plain" in outs and torch.equal(outs["dflash2"], outs["plain"]))
         entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs]}
                  for method, runs in rows.items()}
         if "dflash2" in entry:
             entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
-        if len(entry) == 2:
+        if "dflash2" in entry and "plain" in entry:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
+        entry.update(against_plain_graph(entry))
         steady[task] = entry
         print(task, json.dumps({m: {k: v for k, v in e.items() if k != "outputs"} if isinstance(e, dict) else e
                                 for m, e in entry.items()}), flush=True)
@@ -196,6 +208,36 @@ def main(argv=None):
 
 def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
+
+
+def timed_plain_graph(target, ids, device, compile: bool, max_new_tokens: int, pad_token_id: int,
+                      eos_token_id=-1, do_sample: bool = False):
+    """One call of the plain CUDA-graph loop (greedy): output [1, P + new] and wall seconds. eos_token_id -1: the
+    target's generation config's, as `generate` takes it."""
+    from dflash2.benchmarks.plain_graph import plain_graph_generate
+
+    eos = target.generation_config.eos_token_id if eos_token_id == -1 else eos_token_id
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    started = time.perf_counter()
+    out = plain_graph_generate(target, ids, max_new_tokens, eos_token_id=eos, pad_token_id=pad_token_id,
+                               compile=compile)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return out, time.perf_counter() - started
+
+
+def against_plain_graph(entry: dict) -> dict:
+    """Speedups over the plain CUDA-graph loop, and its agreement with compiled plain generate (same prompts)."""
+    if "plain-graph" not in entry:
+        return {}
+    graph = entry["plain-graph"]
+    extra = {}
+    if "dflash2" in entry:
+        extra["speedup_vs_plain_graph"] = round(entry["dflash2"]["tokens_per_s"] / graph["tokens_per_s"], 3)
+    if "plain" in entry:
+        extra["plain_graph_vs_plain"] = round(graph["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+        same = sum(a == b for a, b in zip(graph.get("outputs", []), entry["plain"].get("outputs", [])))
+        extra["plain_graph_identical_to_plain_bf16"] = f"{same}/{len(graph.get('outputs', []))}"
+    return extra
 
 
 def measure_round(results, call, encoded, drafter, device):
@@ -221,7 +263,18 @@ def measure_round(results, call, encoded, drafter, device):
     results["round"] = {"kind": runner.kind, "replay_ms": round(replay * 1e3, 3), "wall_ms": round(wall * 1e3, 3),
                         "wall_over_replay": round(wall / replay, 3), "capacity": core.capacity,
                         "tau": round(stats.acceptance_length, 3), **({"waited_for_package_s": waited} if waited else {})}
+    results["round"].update(round_against_target_forwards(core.target, ids.shape[1], replay * 1e3))
     print("round:", json.dumps(results["round"]), flush=True)
+
+
+def round_against_target_forwards(target, context: int, round_ms: float) -> dict:
+    """The target's one-token step and 16-token forward after `context` tokens, captured and replayed like the round
+    (`plain_graph.time_forward`), and the round's replay time over each."""
+    from dflash2.benchmarks.plain_graph import time_forward
+
+    step, verify = time_forward(target, 1, context), time_forward(target, 16, context)
+    return {"target_step_ms": round(step, 3), "target_forward16_ms": round(verify, 3),
+            "round_over_forward16": round(round_ms / verify, 3), "round_over_step": round(round_ms / step, 3)}
 
 
 def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
@@ -302,7 +355,8 @@ def batches(args, encoded, target, drafter, device, methods, common, pad, select
 
 
 def merge(ours: dict, plain: dict) -> dict:
-    """One report from a `--methods dflash2` process and a `--methods plain` process over the same prompts."""
+    """One report from a `--methods dflash2` (or `dflash2,plain-graph`) process and a `--methods plain` process over
+    the same prompts."""
     def strip(entry):
         return {k: v for k, v in entry.items() if k != "outputs"}
 
@@ -319,6 +373,10 @@ def merge(ours: dict, plain: dict) -> dict:
         merged["steady"][task] = {"dflash2": strip(a), "plain": strip(b),
                                   "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
                                   "identical_outputs_bf16": f"{same}/{len(a['outputs'])}"}
+        if "plain-graph" in entry:  # run in the DFlash 2 process (`--methods dflash2,plain-graph`)
+            merged["steady"][task]["plain-graph"] = strip(entry["plain-graph"])
+            merged["steady"][task].update(against_plain_graph({"dflash2": a, "plain": b,
+                                                               "plain-graph": entry["plain-graph"]}))
     for key, entry in ours.get("sweep", {}).items():
         if isinstance(entry, dict) and key in plain.get("sweep", {}):
             a, b = entry["dflash2"], plain["sweep"][key]["plain"]

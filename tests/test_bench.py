@@ -21,8 +21,9 @@ def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
                             max_new_tokens=10, static=True, progress=False, command="test")
     for task in ("humaneval", "mtbench"):
         rows = results["tasks"][task]
-        assert set(rows) == {"plain", "plain-static", "prompt-lookup", "hf-dflash", "dflash1", "dflash2",
+        assert set(rows) == {"plain", "plain-static", "plain-graph", "prompt-lookup", "hf-dflash", "dflash1", "dflash2",
                              "dflash2-static"}
+        assert rows["dflash2-static"]["speedup_vs_plain-graph"] > 0 and "speedup_vs_plain-static" in rows["dflash2"]
         for name, row in rows.items():
             assert row["greedy_exact_match"] == 1.0, (task, name)  # fp32: every method is lossless
             assert row["tokens"] > 0 and row["target_forwards"] > 0
