@@ -90,6 +90,19 @@ def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str
     return prompts[:limit] if limit else prompts
 
 
+def task_categories(task: str, limit: int | None = None, skip: int = 0) -> list[str]:
+    """The category of each prompt `task_prompts(task, limit, skip)` returns: "code" for HumanEval, MT-Bench's own
+    category field (writing, roleplay, reasoning, math, coding, extraction, stem, humanities) for its questions."""
+    if task == "humaneval":
+        categories = ["code"] * len(humaneval_records())
+    elif task == "mtbench":
+        categories = [r["category"] for r in mtbench_records()]
+    else:
+        raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    categories = categories[skip:]
+    return categories[:limit] if limit else categories
+
+
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The target's own chat template around one user turn (plain text when the tokenizer has no template)."""
     return conversation_ids(tokenizer, [{"role": "user", "content": prompt}])

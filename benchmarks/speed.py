@@ -68,7 +68,7 @@ def summary(times, tokens):
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair
-    from dflash2.tasks import chat_prompt_ids, task_prompts
+    from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -114,6 +114,8 @@ def main(argv=None):
                "mtbench": task_prompts("mtbench", args.num_prompts, skip=args.skip_mtbench)}
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
+    categories = {"humaneval": task_categories("humaneval", args.num_prompts, skip=args.skip_humaneval),
+                  "mtbench": task_categories("mtbench", args.num_prompts, skip=args.skip_mtbench)}
     common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
@@ -171,16 +173,19 @@ def main(argv=None):
     # ---- steady state: every selected method on every prompt (DFlash 2 first on each)
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
-        rows = {method: [] for method in selected}  # (seconds, tokens, new token ids) per prompt
+        rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
         forwards, agree = 0, 0
         for ids in items:
             outs = {}
             for method in selected:
                 outs[method], s, tokens, stats = call(method, ids)
-                rows[method].append((s, tokens, new_ids(outs[method], ids)))
+                rows[method].append((s, tokens, new_ids(outs[method], ids),
+                                     stats.target_forwards if stats is not None else None))
                 forwards += stats.target_forwards if stats is not None else 0
             agree += int("dflash2" in outs and "plain" in outs and torch.equal(outs["dflash2"], outs["plain"]))
-        entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs]}
+        entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs],
+                          "per_prompt": [{"s": round(r[0], 4), "tokens": r[1], "target_forwards": r[3]}
+                                         for r in runs]}
                  for method, runs in rows.items()}
         if "dflash2" in entry:
             entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
@@ -188,8 +193,9 @@ def main(argv=None):
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         entry.update(against_plain_graph(entry))
+        entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
-        print(task, json.dumps({m: {k: v for k, v in e.items() if k != "outputs"} if isinstance(e, dict) else e
+        print(task, json.dumps({m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
                                 for m, e in entry.items()}), flush=True)
     results["steady"] = steady
     save(results, args.out)
@@ -223,6 +229,25 @@ def timed_plain_graph(target, ids, device, compile: bool, max_new_tokens: int, p
                                compile=compile)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     return out, time.perf_counter() - started
+
+
+def by_category(entry: dict, categories: list[str]) -> dict:
+    """Per prompt category: each method's tokens/s, DFlash 2's tau, and its speedup over every other method."""
+    methods = [m for m in entry if isinstance(entry[m], dict) and "per_prompt" in entry[m]]
+    table = {}
+    for category in dict.fromkeys(categories):
+        picked = [i for i, c in enumerate(categories) if c == category]
+        row = {"prompts": len(picked)}
+        for method in methods:
+            runs = [entry[method]["per_prompt"][i] for i in picked]
+            row[method] = round(sum(r["tokens"] for r in runs) / sum(r["s"] for r in runs), 2)
+            if method == "dflash2":
+                row["tau"] = round(sum(r["tokens"] for r in runs) / sum(r["target_forwards"] for r in runs), 3)
+        for method in methods:
+            if method != "dflash2" and "dflash2" in row:
+                row[f"speedup_vs_{method}"] = round(row["dflash2"] / row[method], 3)
+        table[category] = row
+    return table
 
 
 def against_plain_graph(entry: dict) -> dict:
@@ -279,7 +304,7 @@ def round_against_target_forwards(target, context: int, round_ms: float) -> dict
 
 def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
     """Prompts of distinct token lengths, a fixed number of new tokens (EOS ignored), batch 1 and 8."""
-    from dflash2.tasks import chat_prompt_ids, task_prompts
+    from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     pool = [ids for items in encoded.values() for ids in items]
     pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
