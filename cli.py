@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_device, check_drafter,
+from dflash2.pairs import (UsageError, add_model_arguments, check_device, check_drafter,
                                        check_model_arguments, check_target, drafter_overrides, load_pair,
                                        positive_int)
 

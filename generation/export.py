@@ -39,9 +39,10 @@ def shipped_source_files() -> dict[str, Path]:
 
 @contextlib.contextmanager
 def atomic_folder(destination):
-    """Yield an empty staging folder; on success it replaces `destination` in one rename, on failure it goes.
+    """Yield an empty staging folder; on success it replaces `destination`, on failure it goes.
 
-    Readers see the old folder or the new one, never a half-written one. Entries of the old folder that the new one
+    The new folder goes in by a rename once complete (when an old one is there, a first rename moves it aside, so
+    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries of the old folder that the new one
     does not write (a model card, notes, files of the user's) are carried over; old weight shards are not, since the
     new set replaces them.
     """

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash2 import cli
-from dflash2.benchmarks.common import DEFAULT_DRAFTER
+from dflash2.pairs import DEFAULT_DRAFTER
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
 
@@ -133,7 +133,7 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
 
 
 def test_cpu_threads_leave_busy_cores_to_their_work(monkeypatch):
-    from dflash2.benchmarks.common import cpu_threads
+    from dflash2.pairs import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)

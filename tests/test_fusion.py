@@ -104,17 +104,17 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
 
     runner = both(prompts[0])
     assert runner.kind == "eager" and runner.fusion.state == "building"
-    runner.fusion.job.wait(timeout=600)
-    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-2000:]
+    runner.fusion.wait(timeout=600)
+    assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-2000:]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         runner = both(prompts[1])
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
     both(prompts[2])
 
-    drafter.__dict__.pop("_round_cores")  # as in a new process: no cores, the package on disk
+    drafter.release()  # as in a new process: no cores, the package on disk
     runner = both(prompts[3])
-    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
     assert len(list(tmp_path.rglob("*.round"))) == 1
 
 
@@ -135,7 +135,7 @@ def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
         "ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))\n"
         "target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,\n"
         "                cache_implementation='static', compile='background')\n"
-        "(runner,) = drafter._round_cores.values()\n"
+        "(runner,) = drafter.round_runners()\n"
         "print(runner.fusion.state)\n")
     cache = tmp_path / "cache"
     env = {**os.environ, "DFLASH2_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -156,7 +156,7 @@ def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
     drafter = tiny_drafter(target, seed=9, block_size=4).attach(target)
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))
     runner = background_equals_plain(target, drafter, ids, 12)
-    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
 
 
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
@@ -179,7 +179,7 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
         return background_equals_plain(target, drafter, ids, 20)
 
     runner = both(prompts[0])
-    runner.fusion.job.wait(timeout=600)
+    runner.fusion.wait(timeout=600)
     assert runner.fusion.job.process.returncode != 0 and "exit" in runner.fusion.job.failure()
     with pytest.warns(UserWarning, match="building the fused round failed"):
         runner = both(prompts[1])
@@ -191,16 +191,16 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
     # a later process (a fresh set of cores) does not build it again: it says why, once, and how to retry
     note = runner.fusion.note
     assert note.is_file() and "exit" in note.read_text()
-    drafter.__dict__.pop("_round_cores")
+    drafter.release()
     with pytest.warns(UserWarning, match="an earlier build of this fused round failed .* Delete"):
         runner = both(prompts[0])
-    assert runner.fusion.job is None and runner.fusion.state == "failed"
+    assert runner.fusion.process is None and runner.fusion.state == "failed"
     note.unlink()  # the way to retry: the next fresh set of cores starts a child again
-    drafter.__dict__.pop("_round_cores")
+    drafter.release()
     runner = both(prompts[1])
     assert runner.fusion.state == "building"
     runner.fusion.job.process.kill()
-    runner.fusion.job.wait()
+    runner.fusion.wait()
 
 
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
@@ -220,10 +220,10 @@ def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
                               pad_token_id=0, assistant_model=drafter, compile="background")
         for row, reference in enumerate(alone):
             assert torch.equal(out[row, width:], reference), (attempt, row)
-        (runner,) = drafter._round_cores.values()
+        (runner,) = drafter.round_runners()
         if attempt == 0:
             assert runner.core.batch == 4  # the bucket: rows beyond the batch are empty
-            runner.fusion.job.wait(timeout=600)
+            runner.fusion.wait(timeout=600)
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
 
 
@@ -239,9 +239,9 @@ def test_background_fusion_with_a_sliding_window_drafter(tmp_path, monkeypatch):
         out = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=drafter,
                               cache_implementation="static", compile="background")
         assert torch.equal(out, reference), attempt
-        (runner,) = drafter._round_cores.values()
+        (runner,) = drafter.round_runners()
         if attempt == 0:
-            runner.fusion.job.wait(timeout=600)
+            runner.fusion.wait(timeout=600)
     assert runner.kind == "fused ahead of time"
 
 
