@@ -32,9 +32,9 @@ weights in the package; `aot_compile` keeps inductor's Python runtime, the one `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
-import contextlib
 import json
 import os
 import pickle
@@ -278,7 +278,7 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
 # ends with this status and is remembered; any other end (killed, out of memory, a full disk, an import that failed)
 # is transient and retried by a later process.
 DETERMINISTIC_FAILURE = 3
-TRANSIENT_ERRORS = (OSError, MemoryError, torch.OutOfMemoryError)
+TRANSIENT_ERRORS = (OSError, MemoryError, torch.cuda.OutOfMemoryError)
 
 
 class FusionJob:

@@ -241,3 +241,12 @@ def test_cache_lists_and_clears_only_what_dflash2_wrote(tmp_path, monkeypatch, c
     assert "removed 2 entries" in capsys.readouterr().out
     assert not list((tmp_path / "fused-rounds").iterdir()) and not list((tmp_path / "targets").iterdir())
     assert (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.slow
+def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    cli.main(["precompile", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert "building the fused round" in err and out.strip() == "batch 1: fused ahead of time"
+    assert len(list(tmp_path.rglob("*.round"))) == 1

@@ -159,14 +159,6 @@ def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
     assert runner.fusion.process is None and runner.kind == "fused ahead of time"
 
 
-def child_hook(tmp_path, monkeypatch, code: str) -> None:
-    """`code` run at the start of every child (a sitecustomize on the path the child inherits)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(code)
-    monkeypatch.syspath_prepend(str(hook))  # FusionJob hands the caller's sys.path to the child
-
-
 def tiny_pair(seed: int):
     target = tiny_target("llama", seed=seed)
     return target, tiny_drafter(target, seed=seed + 1, block_size=4).attach(target)
@@ -176,18 +168,28 @@ def prompt(n: int):
     return torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
 
 
+def failed_first_build(tmp_path, monkeypatch, hook: str, seed: int, tokens: int):
+    """A pair whose first call's child runs `hook` first (a sitecustomize on the path the child inherits) and fails;
+    returns the pair once the child has ended."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
+    monkeypatch.syspath_prepend(str(tmp_path / "hook"))  # FusionJob hands the caller's sys.path to the child
+    target, drafter = tiny_pair(seed)
+    runner = background_equals_plain(target, drafter, prompt(6), tokens)
+    runner.fusion.wait(timeout=600)
+    assert runner.fusion.process.returncode != 0
+    return target, drafter
+
+
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
     """On the H200 (torch 2.11, CUDA) loading an AOTInductor package crashed the loading process. The child loads and
     checks its round before publishing it: here that load is made to crash (a segmentation fault). The caller warns
     once, stays unfused, publishes nothing, and every output still equals plain greedy. A crash is no deterministic
     failure: nothing is remembered, and a later process (a fresh set of runners) tries again."""
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    child_hook(tmp_path, monkeypatch, "import os, signal\nimport torch.compiler\ntorch.compiler.load_compiled_function"
-               " = lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV)\n")
-    target, drafter = tiny_pair(6)
-    runner = background_equals_plain(target, drafter, prompt(6), 20)
-    runner.fusion.wait(timeout=600)
-    assert runner.fusion.process.returncode != 0
+    target, drafter = failed_first_build(tmp_path, monkeypatch, "import os, signal\nimport torch.compiler\n"
+                                         "torch.compiler.load_compiled_function = lambda *a, **k: os.kill(os.getpid(), "
+                                         "signal.SIGSEGV)\n", seed=6, tokens=20)
     with pytest.warns(UserWarning, match="building the fused round failed .* the next process tries again"):
         runner = background_equals_plain(target, drafter, prompt(11), 20)
     assert runner.fusion.state == "unfused" and runner.kind == "eager"
@@ -205,12 +207,8 @@ def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, 
 def test_a_deterministic_build_failure_is_remembered_for_the_same_versions(tmp_path, monkeypatch):
     """A build that fails in the build itself (here: the compiler raises) is remembered in a note: a later process
     warns once and starts no child, until `dflash2 cache clear` removes the note."""
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    child_hook(tmp_path, monkeypatch, "import torch\ndef refuse(*a, **k):\n    raise RuntimeError('no compiler')\n"
-               "torch.compile = refuse\n")
-    target, drafter = tiny_pair(12)
-    runner = background_equals_plain(target, drafter, prompt(6), 16)
-    runner.fusion.wait(timeout=600)
+    target, drafter = failed_first_build(tmp_path, monkeypatch, "import torch\ndef refuse(*a, **k):\n    raise "
+                                         "RuntimeError('no compiler')\ntorch.compile = refuse\n", seed=12, tokens=16)
     with pytest.warns(UserWarning, match="no compiler.*cache clear"):
         background_equals_plain(target, drafter, prompt(7), 16)
     assert len(list(tmp_path.rglob("*.failed"))) == 1
