@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .fusion import BackgroundFusion
+from .background import BackgroundFusion
 from .graphs import RoundRunner
 from .round_core import RoundCore, prefill_width
 from .sampling import Sampling, eos_token_ids
@@ -119,7 +119,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     cores = runners_of(drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (fusion.py).
+    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (background.py).
     # The default (None): "background" where rounds are captured (one CUDA device), False elsewhere.
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "

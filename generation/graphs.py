@@ -4,7 +4,7 @@ On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By 
 eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
 With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
 caches, so later processes compile faster) and that is captured. With `compile="background"` a round compiled ahead
-of time in a child process replaces it once it exists (`fusion.py`, `RoundRunner.use_fused`). A replayed graph
+of time in a child process replaces it once it exists (`background.py`, `RoundRunner.use_fused`). A replayed graph
 consults no dynamo guard: a prompt of a new length never compiles or captures anything.
 
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
@@ -16,7 +16,7 @@ patches `torch.nn.Module.__call__` process-wide, so an eager target forward in t
 traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
 pool" (H200, docs/benchmarks.md). Fusion therefore never runs in a thread of the caller: with `compile=True` inductor
 compiles in the calling thread before the first round; with `compile="background"` a child process compiles
-(`fusion.py`).
+(`background.py`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class RoundRunner:
 
     Public, for benchmarks and tests (through `DFlash2Drafter.round_runners`): `kind` (how its rounds run now, e.g.
     "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers and round),
-    `mode`, `fusion` (a `fusion.BackgroundFusion` with compile="background", else None), calling it (one round),
+    `mode`, `fusion` (a `background.BackgroundFusion` with compile="background", else None), calling it (one round),
     `prefill` and `release`.
     """
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from dflash2.generation import fusion
+from dflash2.generation import background, fusion
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.sampling import Sampling
 from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
@@ -239,7 +239,7 @@ def test_an_unwritable_cache_leaves_the_unfused_round_answering(tmp_path, monkey
 
 def test_no_child_starts_without_room_for_its_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    monkeypatch.setattr(fusion, "free_memory", lambda device: 0)
+    monkeypatch.setattr(background, "free_memory", lambda device: 0)
     target, drafter = tiny_pair(16)
     with pytest.warns(UserWarning, match="no room for the build beside the model .* GiB free"):
         runner = background_equals_plain(target, drafter, prompt(5), 16)
