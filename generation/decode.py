@@ -25,8 +25,8 @@ ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
 MAX_RUNNERS = 4
 # Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, so most requests
 # share one captured graph, then in steps of 8192, so a long request pays for fewer than 8192 columns it does not need
-# rather than up to as many again as it needs (a round attends over every column); on a CPU every column costs attention time, so they fit the request (steps
-# of 256).
+# rather than up to as many again as it needs (a round attends over every column); on a CPU every column costs
+# attention time, so they fit the request (steps of 256).
 MIN_CAPACITY = {"cuda": 2048, "cpu": 256}
 CUDA_CAPACITY_STEP = 8192
 

@@ -42,9 +42,9 @@ def atomic_folder(destination):
     """Yield an empty staging folder; on success it replaces `destination`, on failure it goes.
 
     The new folder goes in by a rename once complete (when an old one is there, a first rename moves it aside, so
-    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries of the old folder that the new one
-    does not write (a model card, notes, files of the user's) are carried over; old weight shards are not, since the
-    new set replaces them.
+    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries
+    of the old folder that the new one does not write (a model card, notes, files of the user's) are carried over;
+    old weight shards are not, since the new set replaces them.
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,9 @@ the H200's host, as long as dozens of rounds), a replay is not. Prompts longer t
 Compiling in a background thread while the first calls decode was tried and is not safe with torch 2.11: FX tracing
 patches `torch.nn.Module.__call__` process-wide, so an eager target forward in the decoding thread (the prefill) was
 traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
-pool" (H200, docs/benchmarks.md). Fusion therefore never runs in a thread of the caller: with `compile=True` inductor
-compiles in the calling thread before the first round; with `compile="background"` a child process compiles
-(`background.py`).
+pool" (H200, docs/benchmarks.md). Fusion therefore never runs beside decoding in the caller's process: with
+`compile=True` inductor compiles in the calling thread before the first round, which waits for it; with
+`compile="background"` a child process compiles (`background.py`).
 """
 
 from __future__ import annotations
