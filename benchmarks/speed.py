@@ -165,7 +165,7 @@ def main(argv=None):
     runner = None
     if "dflash2" in selected:
         call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
-        runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+        runner = drafter.round_runners(batch=1)[-1]
         results["round_kind"] = runner.kind
     if args.quick:
         return finish(results, args.out)
@@ -269,7 +269,7 @@ def measure_round(results, call, encoded, drafter, device):
     ids = encoded["humaneval"][0]
     call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
     waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))
-    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1 and not r.core.eos.numel())
+    runner = next(r for r in drafter.round_runners(batch=1) if not r.core.eos.numel())
     _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
     rounds_full = stats.target_forwards - 1
     _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)

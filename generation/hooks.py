@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .candidate_generator import DFlash2CandidateGenerator
-from .decode import own_loop_generate
+from .decode import own_loop_generate, release_runners
 from .stats import DFlash2Stats
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
@@ -77,8 +77,14 @@ def attach(drafter, target, use_by_default: bool = False):
     return target
 
 
+def attached_drafter(target):
+    """The DFlash 2 drafter `attach` hooked into `target`, or None."""
+    return target.__dict__.get("_dflash2_drafter")
+
+
 def detach(target):
-    """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back."""
+    """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back, and the drafter lets go
+    of the target (its borrowed embeddings and head, and the round runners with their buffers and graphs)."""
     originals = target.__dict__.pop("_dflash2_originals", None)
     if originals is None:
         return target
@@ -89,6 +95,7 @@ def detach(target):
     drafter = target.__dict__.pop("_dflash2_drafter", None)
     if drafter is not None:
         drafter._target_parts = {}
+        release_runners(drafter, target)
     return target
 
 

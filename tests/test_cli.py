@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash2 import cli
-from dflash2.benchmarks.common import DEFAULT_DRAFTER
+from dflash2.pairs import DEFAULT_DRAFTER
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
 
@@ -159,7 +159,7 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
 
 
 def test_cpu_threads_leave_busy_cores_to_their_work(monkeypatch):
-    from dflash2.benchmarks.common import cpu_threads
+    from dflash2.pairs import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
@@ -248,3 +248,31 @@ def test_generate_stops_at_eos_without_the_max_new_tokens_note(tiny_pair, capsys
     cli.main(["generate", "--prompt", "a b c", "--no-baseline"])
     out = capsys.readouterr().out
     assert f"| {end + 1} tokens |" in out and "before its end" not in out
+
+
+def test_cache_lists_and_clears_only_what_dflash2_wrote(tmp_path, monkeypatch, capsys):
+    from dflash2.cli import main
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    (tmp_path / "fused-rounds").mkdir()
+    (tmp_path / "fused-rounds" / "abc.round").write_bytes(b"x" * 2 ** 20)
+    (tmp_path / "targets" / "model.float32.key").mkdir(parents=True)
+    (tmp_path / "targets" / "model.float32.key" / "model.safetensors").write_bytes(b"y" * 2 ** 19)
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    main(["cache"])
+    listed = capsys.readouterr().out
+    assert "1.0 MiB  fused-rounds/abc.round" in listed and "0.5 MiB  targets/model.float32.key" in listed
+    assert "in 2 entries" in listed
+    main(["cache", "clear"])
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert not list((tmp_path / "fused-rounds").iterdir()) and not list((tmp_path / "targets").iterdir())
+    assert (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.slow
+def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    cli.main(["precompile", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert "building the fused round" in err and out.strip() == "batch 1: fused ahead of time"
+    assert len(list(tmp_path.rglob("*.round"))) == 1

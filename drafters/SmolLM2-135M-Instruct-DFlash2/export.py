@@ -18,7 +18,7 @@ from pathlib import Path
 
 # The modules a drafter folder ships, in import order (each imports only earlier ones).
 SHIPPED_MODULES = ("configuration_dflash2", "modeling_dflash2", "stats", "sampling", "candidate_generator",
-                   "round_core", "graphs", "fusion", "assets", "decode", "hooks", "export", "auto")
+                   "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 AUTO_MAP = {
     "AutoConfig": "configuration_dflash2.DFlash2Config",
@@ -54,11 +54,12 @@ def write_code_files(folder) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(destination):
-    """Yield an empty staging folder; on success it replaces `destination` in one rename, on failure it goes.
+    """Yield an empty staging folder; on success it replaces `destination`, on failure it goes.
 
-    Readers see the old folder or the new one, never a half-written one. Entries of the old folder that the new one
-    does not write (a model card, notes, files of the user's) are carried over; old weight shards are not, since the
-    new set replaces them.
+    The new folder goes in by a rename once complete (when an old one is there, a first rename moves it aside, so
+    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries
+    of the old folder that the new one does not write (a model card, notes, files of the user's) are carried over;
+    old weight shards are not, since the new set replaces them.
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """Real model shapes, random weights: what one round of every DFlash 2 loop costs on the GPU, against plain decoding.
 
-    python -m dflash2.benchmarks.scale --parts 8b --out runs/scale-8b.json          # one H200
-    python -m dflash2.benchmarks.scale --parts 8b-long --out runs/scale-8b-long.json
-    python -m dflash2.benchmarks.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
-    python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
-    python -m dflash2.benchmarks.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
+    python -m dflash2.lab.scale --parts 8b --out runs/scale-8b.json          # one H200
+    python -m dflash2.lab.scale --parts 8b-long --out runs/scale-8b-long.json
+    python -m dflash2.lab.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
+    python -m dflash2.lab.scale --parts lossless --out runs/scale-lossless.json
+    python -m dflash2.lab.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
 
 Targets are built from configs only (no download): Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads,
 head_dim 128, intermediate 12288, vocabulary 151936) and Qwen3-32B shape (hidden 5120, 64 layers, 64 heads, 8 KV
@@ -100,7 +100,7 @@ def build_split_target(config, devices: list, dtype, seed: int = 0):
     from transformers import Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash2.benchmarks.device_map_check import split_layers
+    from dflash2.lab.device_map_check import split_layers
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
@@ -145,10 +145,9 @@ def parameter_bytes(module) -> int:
 
 
 def release_drafter(drafter, target) -> None:
-    """Detach, and make sure the target keeps no reference to the drafter (older `attach` registered it as a
-    submodule of the target): its weights must not stay alive into the next method's peak memory."""
+    """Detach (which releases the drafter's buffers and graphs): its weights and buffers must not stay alive into the
+    next method's peak memory."""
     drafter.detach(target)
-    target._modules.pop("_dflash2_drafter", None)
 
 
 def present(devices) -> bool:
@@ -200,11 +199,11 @@ def generate(target, ids, new_tokens: int, devices, **kwargs):
 
 def own_loop_state(drafter) -> dict:
     """The round core the last own-loop call used: how its round ran and what its buffers hold."""
-    entries = list(drafter.__dict__.get("_round_cores", {}).values())
-    if not entries:
+    runners = drafter.round_runners()
+    if not runners:
         return {}
-    entry = entries[-1]  # a runner holding its core (older layouts: a (core, runner) pair)
-    core, runner = entry if isinstance(entry, tuple) else (entry.core, entry)
+    runner = runners[-1]
+    core = runner.core
 
     def held(cache):
         return sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
@@ -214,8 +213,8 @@ def own_loop_state(drafter) -> dict:
 
 
 def forget_own_loops(drafter) -> None:
-    """Drop the drafter's round cores (their buffers would count in the next method's peak memory)."""
-    drafter.__dict__.pop("_round_cores", None)
+    """Release the drafter's round cores (their buffers would count in the next method's peak memory)."""
+    drafter.release()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -531,7 +530,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dflash2.benchmarks.scale", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dflash2.lab.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="8b", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
