@@ -18,6 +18,7 @@ ALLOWED = {
     "_dynamo": "torch's compiler package",
     "_inductor": "torch's compiler package",
     "_C": "torch's extension module",
+    "_foreach_sub_": "torch's in-place list op (subtracts from every layer's write column in one launch)",
     "_words": "a word-splitting helper of the training prompt lists (a module function, no runtime object)",
 }
 
