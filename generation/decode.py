@@ -16,17 +16,20 @@ import weakref
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .fusion import BackgroundFusion
+from .background import BackgroundFusion
 from .graphs import RoundRunner
 from .round_core import RoundCore, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
-# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, then in steps of
-# 8192, so most requests share one captured graph and a long prompt does not pay for up to twice the columns it needs
-# (a round attends over every column); on a CPU every column costs attention time, so they fit the request (steps
-# of 256).
+# Runners (each with its core's buffers and graphs) a drafter keeps, one per (target, batch bucket, sampling, eos,
+# mode); beyond it the least recently used one is released
+MAX_RUNNERS = 4
+# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, so most requests
+# share one captured graph, then in steps of 8192, so a long request pays for fewer than 8192 columns it does not need
+# rather than up to as many again as it needs (a round attends over every column); on a CPU every column costs
+# attention time, so they fit the request (steps of 256).
 MIN_CAPACITY = {"cuda": 2048, "cpu": 256}
 CUDA_CAPACITY_STEP = 8192
 
@@ -148,16 +151,16 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
 
 def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | str | None,
                      graphs: bool):
-    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode).
-    `graphs`: rounds and prefills are captured (`uses_graphs`).
+    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode) and kept
+    among the drafter's `MAX_RUNNERS` most recently used. `graphs`: rounds and prefills are captured (`uses_graphs`).
 
     Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
-    captured graphs; a longer one builds a core of twice the capacity.
+    captured graphs; a longer one replaces the core with one of the capacity it needs (`capacity_for`).
     """
-    cores = drafter.__dict__.setdefault("_round_cores", {})
+    cores = runners_of(drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (fusion.py).
+    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (background.py).
     # The default (None): "background" where rounds are captured (one CUDA device), False elsewhere.
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "
@@ -166,14 +169,33 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
         compile = "background" if graphs else False
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
     key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background")
-    runner = cores.get(key)
-    if runner is None or runner.core.capacity < needed:
+    runner = cores.pop(key, None)
+    if runner is not None and runner.core.capacity < needed:
+        runner.release()
+        runner = None
+    if runner is None:
+        while len(cores) >= MAX_RUNNERS:
+            cores.pop(next(iter(cores))).release()
         capacity = capacity_for(needed, graphs)
         core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
-        runner = cores[key] = RoundRunner(core, mode, capture=graphs)
+        runner = RoundRunner(core, mode, capture=graphs)
         if compile == "background":
             runner.fusion = BackgroundFusion(runner)
+    cores[key] = runner  # the most recently used last
     return runner
+
+
+def runners_of(drafter) -> dict:
+    """The drafter's runners, least recently used first (kept in the drafter's __dict__: no module state)."""
+    return drafter.__dict__.setdefault("_round_runners", {})
+
+
+def release_runners(drafter, target=None) -> None:
+    """Release the drafter's runners (for `target` only, when given): their buffers and graphs are freed once nothing
+    else holds them. A child still building a fused round finishes it for the next call or process."""
+    cores = runners_of(drafter)
+    for key in [key for key, runner in cores.items() if target is None or runner.core.target is target]:
+        cores.pop(key).release()
 
 
 def capacity_for(needed: int, graphs: bool) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 # The modules a drafter folder ships, in import order (each imports only earlier ones).
 SHIPPED_MODULES = ("configuration_dflash2", "modeling_dflash2", "stats", "sampling", "candidate_generator",
-                   "round_core", "graphs", "fusion", "decode", "hooks", "export", "auto")
+                   "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 AUTO_MAP = {
     "AutoConfig": "configuration_dflash2.DFlash2Config",
@@ -37,13 +37,29 @@ def shipped_source_files() -> dict[str, Path]:
     return files
 
 
+def write_code_files(folder) -> None:
+    """The shipped code files (`shipped_source_files`) copied into a drafter folder, replacing older copies or links.
+
+    The repository's shipped drafter holds real copies (a copied folder must load anywhere); after a change to the
+    sources, refresh them with `python -c "from dflash2.generation.export import write_code_files;
+    write_code_files('drafters/SmolLM2-135M-Instruct-DFlash2')"` (tests/test_shipped_drafter.py checks they match).
+    """
+    for exported, source in shipped_source_files().items():
+        target = Path(folder) / exported
+        target.parent.mkdir(exist_ok=True)
+        if target.is_symlink():
+            target.unlink()
+        shutil.copyfile(source, target)
+
+
 @contextlib.contextmanager
 def atomic_folder(destination):
-    """Yield an empty staging folder; on success it replaces `destination` in one rename, on failure it goes.
+    """Yield an empty staging folder; on success it replaces `destination`, on failure it goes.
 
-    Readers see the old folder or the new one, never a half-written one. Entries of the old folder that the new one
-    does not write (a model card, notes, files of the user's) are carried over; old weight shards are not, since the
-    new set replaces them.
+    The new folder goes in by a rename once complete (when an old one is there, a first rename moves it aside, so
+    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries
+    of the old folder that the new one does not write (a model card, notes, files of the user's) are carried over;
+    old weight shards are not, since the new set replaces them.
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -83,13 +99,10 @@ def export_drafter(drafter, save_directory, *args, tokenizer=None, push_to_hub: 
         config = json.loads(config_path.read_text())
         config["auto_map"] = dict(AUTO_MAP)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        files = shipped_source_files()
-        if CUSTOM_GENERATE_FILE not in files:
+        if CUSTOM_GENERATE_FILE not in shipped_source_files():
             warnings.warn("This copy of the DFlash 2 code has no custom_generate/generate.py (a folder loaded through "
                           "trust_remote_code does not carry it); the export leaves it out.", stacklevel=3)
-        for exported, source in files.items():
-            (staging / exported).parent.mkdir(exist_ok=True)
-            shutil.copyfile(source, staging / exported)
+        write_code_files(staging)
         if tokenizer is not None:
             if not getattr(tokenizer, "chat_template", None):
                 warnings.warn("The tokenizer saved with the drafter has no chat template: the pipeline one-liner will "

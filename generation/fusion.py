@@ -14,6 +14,11 @@ Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
 compile takes the interpreter for tens of seconds.
 
+This file holds what is compiled and how it is checked: the round as a program over the caller's tensors
+(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of a
+loaded round (`open_fused_round`, `agreement`). `background.py` runs the child and decides, in the caller, when to
+switch or to stay unfused.
+
 Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
 weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
 """
@@ -24,9 +29,6 @@ import hashlib
 import inspect
 import json
 import os
-import pickle
-import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -73,13 +75,12 @@ class _Round(torch.nn.Module):
     def __init__(self, program: "RoundProgram"):
         super().__init__()
         self.target, self.drafter = program.core.target, program.core.drafter
-        self._program = [program]  # in a list: not a submodule
+        self.bind, self.core = program.bind, program.core  # a method and a plain object: no submodules
 
     def forward(self, *state) -> torch.Tensor:
-        program = self._program[0]
-        program.bind(state)
-        RoundCore.round.__wrapped__(program.core)  # the round without its no_grad decorator (compiled under one)
-        return program.core.output_length + 0
+        self.bind(state)
+        RoundCore.round.__wrapped__(self.core)  # the round without its no_grad decorator (compiled under one)
+        return self.core.output_length + 0
 
 
 class RoundProgram(torch.nn.Module):
@@ -91,17 +92,14 @@ class RoundProgram(torch.nn.Module):
 
     def __init__(self, core: RoundCore):
         super().__init__()
-        self._core = [core]  # in lists: not submodules, so the program has no parameters or buffers
-        self._round = [_Round(self)]
+        self.core = core  # a plain object, not a module
         self._state = core_tensor_names(core)
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
             raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
         self._weight_names = list(round_weights(core.target, core.drafter))
-
-    @property
-    def core(self) -> RoundCore:
-        return self._core[0]
+        # set past nn.Module's __setattr__: as a submodule it would give the program the weights as parameters
+        object.__setattr__(self, "round_module", _Round(self))
 
     def weights(self) -> tuple:
         """Every weight and buffer of target and drafter (each tensor once), in the order `forward` takes them."""
@@ -136,7 +134,7 @@ class RoundProgram(torch.nn.Module):
     def forward(self, *tensors) -> torch.Tensor:
         n = len(self._weight_names)
         weights = dict(zip(self._weight_names, tensors[:n]))
-        return torch.func.functional_call(self._round[0], weights, tuple(tensors[n:]))
+        return torch.func.functional_call(self.round_module, weights, tuple(tensors[n:]))
 
 
 # ------------------------------------------------------------------------------------------------ the package
@@ -187,8 +185,23 @@ def package_key(spec: dict) -> str:
     described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config", "sampling")},
                            sort_keys=True, default=str)
     parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
-             repr(spec["sampling"]), str(hardware), torch.__version__, transformers.__version__, code.hexdigest()]
+             repr(spec["sampling"]), str(hardware), *toolchain_versions(device), transformers.__version__,
+             code.hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def toolchain_versions(device: torch.device) -> list[str]:
+    """What inductor's code depends on beside torch: triton's version and, on CUDA, the CUDA runtime and driver."""
+    try:
+        import triton
+
+        versions = [torch.__version__, f"triton {triton.__version__}"]
+    except ImportError:
+        versions = [torch.__version__, "no triton"]
+    if device.type == "cuda":
+        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()
+        versions += [f"cuda {torch.version.cuda}", f"driver {driver}"]
+    return versions
 
 
 def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
@@ -248,113 +261,9 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         os.replace(partial, path)
 
 
-class FusionJob:
-    """The child process building one package; `ready()` polls it without waiting."""
-
-    def __init__(self, spec: dict, path: Path):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # the child's spec file and scratch folder are ours to remove: a child that crashes cannot clean up
-        self.scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
-        spec_file = self.scratch / "spec.pickle"
-        with open(spec_file, "wb") as f:
-            pickle.dump(spec, f)
-        self.log = path.with_suffix(".log")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", f"import importlib, sys; importlib.import_module({spec['fusion_module']!r})"
-                 f".child_main(sys.argv[1], sys.argv[2])", str(spec_file), str(path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def ready(self) -> bool:
-        if self.process.poll() is None:
-            return False
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.process.wait(timeout)
-        self.ready()
-
-    def failure(self) -> str | None:
-        if not self.ready() or (self.process.returncode == 0 and self.path.exists()):
-            return None
-        tail = self.log.read_text().strip().splitlines()[-3:] if self.log.exists() else []
-        return f"exit {self.process.returncode}: " + " | ".join(tail)
-
-
-def child_main(spec_file: str, path: str) -> None:
-    """The child's entry: the spec from `spec_file`; its folder is the scratch space. The caller removes it when it
-    sees the child end; the child removes it too, since it finishes its build even when the caller has exited first
-    (the next process then finds the round)."""
-    scratch = Path(spec_file).parent
-    try:
-        with open(spec_file, "rb") as f:
-            spec = pickle.load(f)
-        build_package(spec, Path(path), scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------------ in the caller
-class BackgroundFusion:
-    """One runner's fused round: a package on disk already, or a child process building it. `poll` (after a prefill,
-    so the caches exist and the check runs on a real prompt) switches the runner over once the package is there.
-
-    A build that fails leaves a note beside where its package would be (`<key>.failed`): later processes with the same
-    shapes, code and versions do not start it again (an upgrade changes the key); deleting the note retries."""
-
-    def __init__(self, runner):
-        spec = spec_of(runner.core)
-        self.path = cache_dir() / f"{package_key(spec)}.round"
-        self.note = self.path.with_suffix(".failed")
-        self.job = None
-        if self.path.exists():
-            self.state = "ready"
-        elif self.note.exists():
-            self.state = "failed before"
-        else:
-            self.job, self.state = FusionJob(spec, self.path), "building"
-
-    def poll(self, runner) -> None:
-        if self.state == "failed before":
-            self.state = "failed"
-            reason = self.note.read_text().strip().splitlines()[0] if self.note.exists() else "no note"
-            warnings.warn(f"DFlash 2: an earlier build of this fused round failed ({reason}); decoding with the "
-                          f"unfused round. Delete {self.note} to try again, or pass compile=False to skip fusion.",
-                          stacklevel=4)
-            return
-        if self.state not in ("building", "ready") or (self.job is not None and not self.job.ready()):
-            return
-        failure = self.job.failure() if self.job is not None else None
-        if failure is not None:
-            self.state = "failed"
-            write_atomically(self.note, f"{failure}\nlog: {self.job.log}\n")
-            warnings.warn(f"DFlash 2: building the fused round failed ({failure}); decoding with the unfused round. "
-                          f"Log: {self.job.log}. Later processes will not build it again until {self.note} is "
-                          "deleted; compile=False skips fusion.", stacklevel=4)
-            return
-        fused = load_fused_round(runner.core, self.path)
-        self.state = "used" if fused is not None else "failed"
-        if fused is not None:
-            with preserved(runner.core):  # a capture's warm-up runs advance the state
-                runner.use_fused(fused)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """`text` into `path`, which appears whole or not at all (an unwritable folder only loses the note)."""
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-            f.write(text)
-        os.replace(f.name, path)
-    except OSError:
-        pass
-
-
-def load_fused_round(core: RoundCore, path: Path):
-    """The saved round over `core`'s own weights, buffers and state, or None (with a warning) when it cannot be used:
-    it fails to load or run, or it disagrees with the eager round (`agreement`)."""
+def open_fused_round(core: RoundCore, path: Path):
+    """(the saved round over `core`'s own weights, buffers and state, None), or (None, why it cannot be used): it fails
+    to load or run, or it disagrees with the eager round (`agreement`)."""
     program = RoundProgram(core)
     inputs = program.inputs()
     try:
@@ -367,13 +276,18 @@ def load_fused_round(core: RoundCore, path: Path):
 
         differences = agreement(core, program, fused)
     except Exception as error:  # noqa: BLE001 - any failure leaves the unfused round in place
-        warnings.warn(f"DFlash 2: the fused round in {path} could not be used ({type(error).__name__}: {error}); "
-                      "decoding with the unfused round.", stacklevel=3)
-        return None
+        return None, f"the fused round in {path} could not be used ({type(error).__name__}: {error})"
     if differences:
-        warnings.warn(f"DFlash 2: the fused round in {path} disagreed with the eager round on each of {CHECK_ROUNDS} "
-                      f"rounds (last: {'; '.join(differences)}); decoding with the unfused round.", stacklevel=3)
-        return None
+        return None, (f"the fused round in {path} disagreed with the eager round on each of {CHECK_ROUNDS} rounds "
+                      f"(last: {'; '.join(differences)})")
+    return fused, None
+
+
+def load_fused_round(core: RoundCore, path: Path):
+    """`open_fused_round`'s round, or None with a warning saying why."""
+    fused, why = open_fused_round(core, path)
+    if why is not None:
+        warnings.warn(f"DFlash 2: {why}; decoding with the unfused round.", stacklevel=2)
     return fused
 
 

@@ -4,7 +4,7 @@ On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By 
 eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
 With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
 caches, so later processes compile faster) and that is captured. With `compile="background"` a round compiled ahead
-of time in a child process replaces it once it exists (`fusion.py`, `RoundRunner.use_fused`). A replayed graph
+of time in a child process replaces it once it exists (`background.py`, `RoundRunner.use_fused`). A replayed graph
 consults no dynamo guard: a prompt of a new length never compiles or captures anything.
 
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
@@ -14,7 +14,9 @@ the H200's host, as long as dozens of rounds), a replay is not. Prompts longer t
 Compiling in a background thread while the first calls decode was tried and is not safe with torch 2.11: FX tracing
 patches `torch.nn.Module.__call__` process-wide, so an eager target forward in the decoding thread (the prefill) was
 traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
-pool" (H200, docs/benchmarks.md). Fusion therefore happens in the calling thread, only when asked for.
+pool" (H200, docs/benchmarks.md). Fusion therefore never runs beside decoding in the caller's process: with
+`compile=True` inductor compiles in the calling thread before the first round, which waits for it; with
+`compile="background"` a child process compiles (`background.py`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class CapturedGraph:
     def __call__(self) -> None:
         self.graph.replay()
 
+    def release(self) -> None:
+        """Free the graph (its memory returns to its pool); it must not be replayed after."""
+        self.graph.reset()
+
 
 def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -68,6 +74,11 @@ class RoundRunner:
     "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager round captured as a CUDA
     graph. "compile": `torch.compile` (inductor) on first use, then captured when `capture` (one CUDA device).
     With `capture`, the prefill is captured per bucket as well (`prefill`).
+
+    Public, for benchmarks and tests (through `DFlash2Drafter.round_runners`): `kind` (how its rounds run now, e.g.
+    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers and round),
+    `mode`, `fusion` (a `background.BackgroundFusion` with compile="background", else None), calling it (one round),
+    `prefill` and `release`.
     """
 
     def __init__(self, core: RoundCore, mode: str, capture: bool = True):
@@ -91,6 +102,17 @@ class RoundRunner:
 
     def __call__(self) -> None:
         self._step()
+
+    def release(self) -> None:
+        """Free the captured graphs now (rather than when the runner is collected); the runner is unusable after."""
+        for graph in (self._step, *self.prefill_graphs.values()):
+            if isinstance(graph, CapturedGraph):
+                graph.release()
+        self._step, self.prefill_graphs, self.kind = self.released, {}, "released"
+
+    @staticmethod
+    def released() -> None:
+        raise RuntimeError("This round runner was released (drafter.release() or detach); generate builds a new one.")
 
     def use_fused(self, fused) -> None:
         """From now on run `fused` (the same round, compiled ahead of time over the core's own tensors): captured

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
-from .decode import LoopCache, own_loop_generate
+from .decode import LoopCache, own_loop_generate, release_runners
 from .stats import DFlash2Stats
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
@@ -87,8 +87,14 @@ def attach(drafter, target, use_by_default: bool = False):
     return target
 
 
+def attached_drafter(target):
+    """The DFlash 2 drafter `attach` hooked into `target`, or None."""
+    return target.__dict__.get("_dflash2_drafter")
+
+
 def detach(target):
-    """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back."""
+    """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back, and the drafter lets go
+    of the target (its borrowed embeddings and head, and the round runners with their buffers and graphs)."""
     originals = target.__dict__.pop("_dflash2_originals", None)
     if originals is None:
         return target
@@ -99,6 +105,7 @@ def detach(target):
     drafter = target.__dict__.pop("_dflash2_drafter", None)
     if drafter is not None:
         drafter._target_parts = {}
+        release_runners(drafter, target)
     return target
 
 
@@ -202,6 +209,12 @@ def check_request(target, drafter, args, kwargs) -> None:
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if inputs is None or not hasattr(inputs, "dim") or inputs.dim() != 2:
         return
+    if inputs.shape[1] == 0:
+        raise ValueError(
+            f"The prompt is empty (input_ids of shape {tuple(inputs.shape)}): speculative decoding drafts from the "
+            "last prompt token, so it needs at least one. Pass a non-empty prompt (the chat template's output, or the "
+            "BOS token alone: torch.tensor([[tokenizer.bos_token_id]]))."
+        )
     limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and inputs.shape[1] > limit:
         raise ValueError(

@@ -43,15 +43,15 @@ case "$phase" in
 stage) ;;
 scale-a)
   (export CUDA_VISIBLE_DEVICES=0
-   step scale-8b 540 -m dflash2.benchmarks.scale --parts 8b --budget 500 --out "$S/scale-8b.json") &
+   step scale-8b 540 -m dflash2.lab.scale --parts 8b --budget 500 --out "$S/scale-8b.json") &
   (export CUDA_VISIBLE_DEVICES=1
-   step scale-8b-long 215 -m dflash2.benchmarks.scale --parts 8b-long --budget 190 --out "$S/scale-8b-long.json"
-   step scale-8b-fused 320 -m dflash2.benchmarks.scale --parts 8b --methods plain-eager,fused --budget 300 \
+   step scale-8b-long 215 -m dflash2.lab.scale --parts 8b-long --budget 190 --out "$S/scale-8b-long.json"
+   step scale-8b-fused 320 -m dflash2.lab.scale --parts 8b --methods plain-eager,fused --budget 300 \
      --out "$S/scale-8b-fused.json") &
   wait ;;
 scale-b)
-  step scale-32b 330 -m dflash2.benchmarks.scale --parts 32b --budget 300 --out "$S/scale-32b.json"
-  step scale-lossless 220 -m dflash2.benchmarks.scale --parts lossless --budget 190 --out "$S/scale-lossless.json"
+  step scale-32b 330 -m dflash2.lab.scale --parts 32b --budget 300 --out "$S/scale-32b.json"
+  step scale-lossless 220 -m dflash2.lab.scale --parts lossless --budget 190 --out "$S/scale-lossless.json"
   ;;
 speed)
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
@@ -73,7 +73,7 @@ speed2)  # after the prefill graphs: the same comparison again, the fp32 tests f
   (export CUDA_VISIBLE_DEVICES=1
    step gpu-tests 190 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging
    step speed-plain 240 "${speed[@]}" --methods plain --out "$S/speed-plain.json"
-   step profile-call 60 -m dflash2.benchmarks.profile_call --device cuda --out "$S/profile-call.json") &
+   step profile-call 60 -m dflash2.lab.profile_call --device cuda --out "$S/profile-call.json") &
   wait ;;
 speed1)  # one GPU, one step after the other: the fp32 test on the default target, fused DFlash 2, compiled plain
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
@@ -93,7 +93,7 @@ fusion)  # one GPU, compile="background" on the default target: fusion_check (fi
          # fresh process that finds that package at once (cold start, steady state, round, sweep at batch 1 and 8)
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   export DFLASH2_CACHE=/tmp/dflash2-cache
-  step fusion-check 220 -m dflash2.benchmarks.fusion_check --device cuda --max-new-tokens 256 --num-prompts 10 \
+  step fusion-check 220 -m dflash2.lab.fusion_check --device cuda --max-new-tokens 256 --num-prompts 10 \
     --out "$S/fusion-check.json"
   step speed-background 330 -m dflash2.benchmarks.speed --device cuda --background-fusion --methods dflash2 \
     --sections cold,steady,round,sweep --out "$S/speed-background.json"

@@ -16,12 +16,19 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# - dflash2's cache (converted GGUF targets, fused rounds) goes to a folder of this run, removed at its end: the tests
-#   never write into the user's ~/.cache, and every test after the first that loads the default target reads its
-#   converted folder instead of dequantising the GGUF file again (tests that check the cache itself set their own).
+# - dflash2's cache (converted GGUF targets, fused rounds) goes to a folder of this run, removed at its end, and every
+#   test after the first that loads the default target reads its converted folder instead of dequantising the GGUF
+#   file again (tests that check the cache itself set their own). Only its `packages` folder is the user's: the data
+#   files fetched on first use (the default target's GGUF file, the evaluation prompts; generation/assets.py) are
+#   fetched once for the user and for every run, as `dflash2 generate` would fetch them.
+from dflash2.generation.assets import packages_dir  # noqa: E402 - reads DFLASH2_CACHE when called
+
 OWN_CACHE = None if "DFLASH2_CACHE" in os.environ else tempfile.mkdtemp(prefix="dflash2-tests-cache-")
 if OWN_CACHE is not None:
+    USER_PACKAGES = packages_dir()
+    USER_PACKAGES.mkdir(parents=True, exist_ok=True)
     os.environ["DFLASH2_CACHE"] = OWN_CACHE
+    os.symlink(USER_PACKAGES, packages_dir(), target_is_directory=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -127,5 +127,5 @@ def background_equals_plain(target, drafter, ids, max_new_tokens, **settings):
     ours = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
                            cache_implementation="static", compile="background", **settings)
     assert torch.equal(ours, reference)
-    (runner,) = drafter._round_cores.values()
+    (runner,) = drafter.round_runners()
     return runner

@@ -147,6 +147,20 @@ def test_a_prompt_longer_than_max_position_embeddings_is_refused(pair):
         "tokens, e.g. tokenizer(..., truncation=True, max_length=511).")
 
 
+
+@pytest.mark.parametrize("batch, loop", [(1, {}), (1, {"cache_implementation": "static"}),
+                                         (1, {"speculation_type": "dflash"}), (2, {})])
+def test_an_empty_prompt_is_refused_in_every_loop(pair, batch, loop):
+    """transformers' assisted loop, DFlash 2's own loop (one prompt and a batch) and the built-in DFlash path."""
+    target, drafter = pair
+    ids = torch.zeros(batch, 0, dtype=torch.long)
+    with pytest.raises(ValueError) as error:
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, assistant_model=drafter, **loop)
+    assert str(error.value) == (
+        f"The prompt is empty (input_ids of shape ({batch}, 0)): speculative decoding drafts from the last prompt "
+        "token, so it needs at least one. Pass a non-empty prompt (the chat template's output, or the BOS token "
+        "alone: torch.tensor([[tokenizer.bos_token_id]])).")
+
 # ------------------------------------------------------------------------------------------------ statistics
 def test_builtin_dflash_path_fills_last_stats(pair):
     """transformers' own DFlash loop: one round per target forward (prefill included), the new tokens, and

@@ -21,8 +21,9 @@ def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
                             max_new_tokens=10, static=True, progress=False, command="test")
     for task in ("humaneval", "mtbench"):
         rows = results["tasks"][task]
-        assert set(rows) == {"plain", "plain-static", "prompt-lookup", "hf-dflash", "dflash1", "dflash2",
+        assert set(rows) == {"plain", "plain-static", "plain-graph", "prompt-lookup", "hf-dflash", "dflash1", "dflash2",
                              "dflash2-static"}
+        assert rows["dflash2-static"]["speedup_vs_plain-graph"] > 0 and "speedup_vs_plain-static" in rows["dflash2"]
         for name, row in rows.items():
             assert row["greedy_exact_match"] == 1.0, (task, name)  # fp32: every method is lossless
             assert row["tokens"] > 0 and row["target_forwards"] > 0
@@ -75,3 +76,18 @@ def test_a_failing_method_is_left_out_and_named_while_the_others_run(monkeypatch
     assert "prompt-lookup" in results["failed"]
     assert "Left out: prompt-lookup failed" in bench.markdown_table(results)
     bench.write_reports(results, tmp_path)
+
+
+def test_speed_reports_each_prompt_category_from_its_own_prompts():
+    from dflash2.benchmarks.speed import by_category
+
+    runs = {"dflash2": [(1.0, 40, 10), (2.0, 60, 30), (1.0, 10, 5)], "plain-graph": [(2.0, 40, None), (2.0, 60, None),
+                                                                                     (4.0, 10, None)]}
+    entry = {m: {"per_prompt": [{"s": s, "tokens": t, "target_forwards": f} for s, t, f in rows]}
+             for m, rows in runs.items()}
+    table = by_category(entry, ["math", "writing", "math"])
+    assert list(table) == ["math", "writing"]
+    math = table["math"]  # prompts 0 and 2: 50 tokens in 2 s (ours), in 6 s (plain-graph); 15 target forwards
+    assert (math["prompts"], math["dflash2"], math["plain-graph"], math["tau"]) == (2, 25.0, 8.33, 3.333)
+    assert math["speedup_vs_plain-graph"] == round(25.0 / 8.33, 3)
+    assert (table["writing"]["tau"], table["writing"]["speedup_vs_plain-graph"]) == (2.0, 1.0)

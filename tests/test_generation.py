@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import pipeline
 
-from dflash2.generation import DFlash2CandidateGenerator, detach
+from dflash2.generation import DFlash2CandidateGenerator, attached_drafter, detach
 from dflash2.generation.candidate_generator import cut_after_eos
 from helpers import EOS, VOCAB, check_sampling_is_exact, tiny_drafter, tiny_target
 
@@ -263,11 +263,11 @@ def test_custom_generate_loads_the_drafter_folder(tmp_path):
     out = target.generate(ids, max_new_tokens=17, do_sample=False, custom_generate=str(tmp_path / "drafter"),
                           trust_remote_code=True)
     assert torch.equal(out, reference)
-    drafter = target._dflash2_drafter
+    drafter = attached_drafter(target)
     assert drafter.last_stats.target_forwards > 0
     again = target.generate(ids, max_new_tokens=17, do_sample=False, custom_generate=str(tmp_path / "drafter"),
                             trust_remote_code=True)
-    assert torch.equal(again, reference) and target._dflash2_drafter is drafter  # loaded once, cached
+    assert torch.equal(again, reference) and attached_drafter(target) is drafter  # loaded once, cached
 
 
 FRESH_PROCESS = textwrap.dedent("""
@@ -288,6 +288,7 @@ FRESH_PROCESS = textwrap.dedent("""
     # (a) AutoModel + attach
     drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
     assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    attached_drafter = importlib.import_module(type(drafter).__module__.rsplit(".", 1)[0] + ".hooks").attached_drafter
     drafter.attach(target)
     out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
     assert torch.equal(out, reference), (out, reference)
@@ -300,10 +301,10 @@ FRESH_PROCESS = textwrap.dedent("""
         out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter,
                               cache_implementation="static", compile="background")
         assert torch.equal(out, reference), (attempt, out, reference)
-        (runner,) = drafter._round_cores.values()
+        (runner,) = drafter.round_runners()
         if attempt == 0:
-            runner.fusion.job.wait(timeout=600)
-            assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+            runner.fusion.wait(timeout=600)
+            assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-3000:]
     assert runner.kind == "fused ahead of time", runner.kind
     drafter.detach(target)
     # (b) custom_generate
@@ -317,10 +318,10 @@ FRESH_PROCESS = textwrap.dedent("""
         "a b c", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     # (d) the model-card one-liner: the drafter folder names its target
     one_liner = pipeline("text-generation", model=drafter_dir, trust_remote_code=True)
-    assert getattr(one_liner.model, "_dflash2_drafter", None) is not None
+    assert attached_drafter(one_liner.model) is not None
     text_d = one_liner("a b c", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert text_d == text, (text_d, text)
-    assert one_liner.model._dflash2_drafter.last_stats.target_forwards > 0
+    assert attached_drafter(one_liner.model).last_stats.target_forwards > 0
     print("FRESH-PROCESS-OK")
 """)
 
@@ -343,7 +344,7 @@ def test_exported_folder_works_in_a_fresh_process(tmp_path):
 def test_target_dispatched_by_device_map_with_offloaded_layers(tmp_path, oracle):
     """A target placed by accelerate (device_map with layers and the LM head offloaded to disk): still lossless.
 
-    On CPU this exercises the hooks `device_map` installs; the multi-GPU run is in benchmarks/device_map_check.py.
+    On CPU this exercises the hooks `device_map` installs; the multi-GPU run is in lab/device_map_check.py.
     """
     from transformers import AutoModelForCausalLM
 

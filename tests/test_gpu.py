@@ -31,7 +31,7 @@ def test_graph_loop_equals_plain_greedy_on_tiny_targets(compile):
             out = target.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                                   assistant_model=drafter, cache_implementation="static", compile=compile)
             assert torch.equal(out, reference), (arch, case)
-        kind = next(iter(drafter._round_cores.values())).kind
+        kind = drafter.round_runners()[0].kind
         assert kind == ("graph (fused)" if compile else "graph (eager kernels)")
 
 
@@ -48,12 +48,12 @@ def test_background_fusion_switches_to_the_captured_package(tmp_path, monkeypatc
 
     runner = both(prompts[0])
     assert runner.kind == "graph (eager kernels)"
-    runner.fusion.job.wait(timeout=500)
-    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+    runner.fusion.wait(timeout=500)
+    assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-3000:]
     assert both(prompts[1]).kind == "graph (fused ahead of time)"
-    drafter.__dict__.pop("_round_cores")
+    drafter.release()
     runner = both(prompts[2])
-    assert runner.fusion.job is None and runner.kind == "graph (fused ahead of time)"
+    assert runner.fusion.process is None and runner.kind == "graph (fused ahead of time)"
     both(prompts[3])
 
 
@@ -112,12 +112,12 @@ def test_default_loop_fused_ahead_of_time_equals_plain_greedy_on_the_default_tar
     child for this fp32 pair, captured, equals plain greedy token for token on the 20 prompts."""
     target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    drafter.__dict__.pop("_round_cores", None)
+    drafter.release()
     target.generate(encoded[0], attention_mask=torch.ones_like(encoded[0]), assistant_model=drafter,
                     cache_implementation="static", **greedy)  # the first call starts the child
-    runner = next(r for r in drafter._round_cores.values() if r.fusion is not None)
-    runner.fusion.job.wait(timeout=400)
-    assert runner.fusion.job.failure() is None, runner.fusion.job.log.read_text()[-3000:]
+    runner = next(r for r in drafter.round_runners() if r.fusion is not None)
+    runner.fusion.wait(timeout=400)
+    assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-3000:]
     fused, kinds = [], set()
     for ids in encoded:
         fused.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,

@@ -15,8 +15,9 @@ from dflash2.generation.export import SHIPPED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 # lower number = lower layer; a module may import only modules of its own layer or below
-LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3, "training": 4,
-          "benchmarks": 4, "cli": 5, "__init__": 6}
+LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3, "pairs": 3, "training": 4,
+          "benchmarks": 4, "cli": 5, "__init__": 6, "lab": 7}
+LAB = "lab"  # run from a checkout only: not in the wheel, imported by nothing of the package
 
 
 def package_modules() -> dict[str, Path]:
@@ -83,6 +84,15 @@ def test_layers_point_one_way_and_peers_do_not_import_each_other():
     assert not problems, problems
 
 
+def test_nothing_of_the_package_imports_the_lab():
+    """The lab's scripts may use the package; the package never uses them (the wheel does not ship them)."""
+    modules = package_modules()
+    assert any(name.split(".")[0] == LAB for name in modules)  # the lab is seen, so the check below can fail
+    importers = [f"{name} imports {imported}" for name, path in modules.items() if name.split(".")[0] != LAB
+                 for imported in imports_of(name, path, modules) if imported.split(".")[0] == LAB]
+    assert not importers, importers
+
+
 def test_no_import_cycle():
     modules = package_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
@@ -119,7 +129,8 @@ def test_shipped_files_import_only_flat_siblings():
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build the wheel")
 def test_the_wheel_installs_one_top_level_name(tmp_path):
     """Build the wheel from the tracked sources: its only top-level package is dflash2 (no `generation`,
-    `training`, `benchmarks` beside a user's own folders), and it carries the code the CLI and the loops need."""
+    `training`, `benchmarks` beside a user's own folders), and it carries the code the CLI and the loops need, and the
+    shipped drafter folder (every tracked file of it: `dflash2 generate`'s default drafter)."""
     import setuptools
 
     if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
@@ -127,7 +138,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     source = tmp_path / "src"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for relative in tracked:
-        if relative.startswith(("drafters/", "docs/")):
+        if relative.startswith("docs/"):
             continue
         (source / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / relative, source / relative)
@@ -137,9 +148,15 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top_level == {"dflash2"}, top_level
-    for needed in ("dflash2/__init__.py", "dflash2/modeling_dflash2.py", "dflash2/cli.py",
+    for needed in ("dflash2/__init__.py", "dflash2/modeling_dflash2.py", "dflash2/cli.py", "dflash2/pairs.py",
                    "dflash2/generation/round_core.py", "dflash2/generation/custom_generate/generate.py",
-                   "dflash2/training/trainer.py", "dflash2/benchmarks/bench.py", "dflash2/tasks.py"):
+                   "dflash2/training/trainer.py", "dflash2/benchmarks/bench.py", "dflash2/benchmarks/speed.py",
+                   "dflash2/benchmarks/acceptance.py", "dflash2/tasks.py"):
         assert needed in names, needed
+    drafter = [name for name in tracked if name.startswith("drafters/SmolLM2-135M-Instruct-DFlash2/")]
+    assert len(drafter) > 20 and "drafters/SmolLM2-135M-Instruct-DFlash2/model-00001-of-00002.safetensors" in drafter
+    missing = [name for name in drafter if f"dflash2/{name}" not in names]
+    assert not missing, missing
+    assert not [name for name in names if name.startswith(f"dflash2/{LAB}/")], "the wheel ships the lab"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "dflash2 = dflash2.cli:main" in entry_points

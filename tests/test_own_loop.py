@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from dflash2.generation import attached_drafter
 from dflash2.generation.round_core import RoundCore
 from dflash2.training.decoding import left_padded as left_pad
 from dflash2.generation.sampling import Sampling, speculative_accept, warped_probabilities
@@ -129,7 +130,7 @@ def test_batched_through_custom_generate(tmp_path):
                           custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
     for row in range(2):
         assert new_tokens(out[row], ids.shape[1], 0, EOS)[: len(references[row])] == references[row]
-    assert target._dflash2_drafter.last_stats.target_forwards > 0
+    assert attached_drafter(target).last_stats.target_forwards > 0
 
 
 def test_batches_above_the_speculative_limit_fall_back_with_a_warning():
@@ -225,13 +226,13 @@ def test_one_set_of_buffers_serves_every_prompt_length(oracle):
         oracle["references"] = [reference[0, length:].tolist()]
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                                            cache_implementation="static"), reference)
-    assert len(drafter._round_cores) == 1
-    core = next(iter(drafter._round_cores.values())).core
+    assert len(drafter.round_runners()) == 1
+    core = drafter.round_runners()[0].core
     long_ids = torch.randint(4, VOCAB, (1, core.capacity), generator=torch.Generator().manual_seed(0))
     target.config.max_position_embeddings = 8 * core.capacity
     target.generate(long_ids, max_new_tokens=2, do_sample=False, assistant_model=drafter,
                     cache_implementation="static")
-    assert max(runner.core.capacity for runner in drafter._round_cores.values()) >= 2 * core.capacity
+    assert max(runner.core.capacity for runner in drafter.round_runners()) >= 2 * core.capacity
 
 
 def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
@@ -251,6 +252,9 @@ def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
         def __call__(self):
             replayed.append(self.width)
             self.fn()
+
+        def release(self):
+            pass
 
     monkeypatch.setattr(graphs, "CapturedGraph", Replay)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
@@ -272,7 +276,7 @@ def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
         assert "round" in replayed
     # 2100 + 9 + 4 columns outgrow the first core (2048): a core of twice the capacity replaced it, and captured
     # the 2048 bucket too, which did not fit the first
-    assert [runner.core.capacity for runner in drafter._round_cores.values()] == [4096]
+    assert [runner.core.capacity for runner in drafter.round_runners()] == [4096]
     assert captured.count(1024) == 2 and captured.count(2048) == 1
 
 

@@ -1,4 +1,4 @@
-"""`benchmarks.profile_step` on a tiny target: both profiles run end to end and their parts add up."""
+"""`lab.profile_step` on a tiny target: both profiles run end to end and their parts add up."""
 
 import pytest
 
@@ -13,7 +13,7 @@ def pair():
 
 
 def test_static_profile_splits_a_round_into_parts_that_add_up(pair):
-    from dflash2.benchmarks.profile_step import profile_static
+    from dflash2.lab.profile_step import profile_static
 
     target, tokenizer, drafter = pair
     timings = profile_static(target, tokenizer, drafter, "a b c a b c a b c a b", repeats=2, max_new_tokens=24)
@@ -27,7 +27,7 @@ def test_static_profile_splits_a_round_into_parts_that_add_up(pair):
 
 
 def test_eager_profile_reports_a_bound_from_its_parts(pair):
-    from dflash2.benchmarks.profile_step import profile
+    from dflash2.lab.profile_step import profile
 
     target, tokenizer, drafter = pair
     timings = profile(target, tokenizer, drafter, "a b c a b", context=16, repeats=2, max_new_tokens=12)

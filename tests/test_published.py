@@ -188,7 +188,7 @@ def test_loaded_published_drafter_decodes_losslessly_with_tied_or_untied_target_
         out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                               assistant_model=drafter, **extra)
         assert torch.equal(out, plain), extra
-    assert drafter._target_parts["head"] is target.get_output_embeddings()
+    assert drafter.is_bound_to(target)
 
 
 # ------------------------------------------------------------------------------------------------ dialect rules

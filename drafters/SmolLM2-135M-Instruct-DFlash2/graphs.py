@@ -1,1 +1,137 @@
-../../generation/graphs.py
+"""How a round of a `RoundCore` runs: eagerly, compiled, or replayed as a CUDA graph captured by hand.
+
+On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By default the graph holds the round's
+eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
+With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
+caches, so later processes compile faster) and that is captured. With `compile="background"` a round compiled ahead
+of time in a child process replaces it once it exists (`background.py`, `RoundRunner.use_fused`). A replayed graph
+consults no dynamo guard: a prompt of a new length never compiles or captures anything.
+
+The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
+all when the core is built: an eager prefill of a small target is bound by kernel launches (tens of milliseconds on
+the H200's host, as long as dozens of rounds), a replay is not. Prompts longer than the largest bucket prefill eagerly.
+
+Compiling in a background thread while the first calls decode was tried and is not safe with torch 2.11: FX tracing
+patches `torch.nn.Module.__call__` process-wide, so an eager target forward in the decoding thread (the prefill) was
+traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
+pool" (H200, docs/benchmarks.md). Fusion therefore never runs beside decoding in the caller's process: with
+`compile=True` inductor compiles in the calling thread before the first round, which waits for it; with
+`compile="background"` a child process compiles (`background.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from .round_core import PREFILL_BUCKETS, RoundCore
+
+WARMUP_ROUNDS = 2  # runs before a capture (allocator, lazily built buffers, cuBLAS handles)
+
+
+class CapturedGraph:
+    """`fn` (reads and writes only fixed buffers) captured once as a CUDA graph; calling it replays the graph.
+    Graphs given the same `pool` share their memory (they must never run at the same time)."""
+
+    def __init__(self, fn, pool=None, warmup: int = WARMUP_ROUNDS):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        started = time.perf_counter()
+        # As inductor's cudagraph trees do: drop cuBLAS's cached workspaces first, so the workspace this capture needs
+        # is allocated in the graph's own pool and stays valid for its replays. A graph that had baked in a workspace
+        # from the general pool is exposed to anyone who clears them later -- cudagraph trees do, before each of their
+        # captures -- and a replay after transformers' compiled plain decoding hit an illegal memory access (H200).
+        clear_cublas_workspaces()
+        with torch.cuda.graph(self.graph, pool=pool):
+            fn()
+        clear_cublas_workspaces()
+        self.capture_seconds = time.perf_counter() - started
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+    def release(self) -> None:
+        """Free the graph (its memory returns to its pool); it must not be replayed after."""
+        self.graph.reset()
+
+
+def clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+class RoundRunner:
+    """Runs `core.round` one of three ways, chosen once per core.
+
+    "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager round captured as a CUDA
+    graph. "compile": `torch.compile` (inductor) on first use, then captured when `capture` (one CUDA device).
+    With `capture`, the prefill is captured per bucket as well (`prefill`).
+
+    Public, for benchmarks and tests (through `DFlash2Drafter.round_runners`): `kind` (how its rounds run now, e.g.
+    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers and round),
+    `mode`, `fusion` (a `background.BackgroundFusion` with compile="background", else None), calling it (one round),
+    `prefill` and `release`.
+    """
+
+    def __init__(self, core: RoundCore, mode: str, capture: bool = True):
+        self.core, self.mode = core, mode
+        self.captured = captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds both
+        self.prefill_graphs = self._capture_prefills(core) if captured else {}
+        self.fusion = None  # a BackgroundFusion when compile="background" (set by decode.round_runner_for)
+        if mode == "eager":
+            self._step, self.kind = core.round, "eager"
+        elif mode == "graph":
+            self._step, self.kind = CapturedGraph(core.round), "graph (eager kernels)"
+        elif mode == "compile":
+            compiled = torch.compile(core.round, mode="default", dynamic=False)
+            if captured:
+                core.round()  # eager once: builds the lazily allocated cache buffers outside the compiled graph
+                self._step, self.kind = CapturedGraph(compiled), "graph (fused)"
+            else:
+                self._step, self.kind = compiled, "compiled"
+        else:
+            raise ValueError(f"unknown round mode {mode!r}")
+
+    def __call__(self) -> None:
+        self._step()
+
+    def release(self) -> None:
+        """Free the captured graphs now (rather than when the runner is collected); the runner is unusable after."""
+        for graph in (self._step, *self.prefill_graphs.values()):
+            if isinstance(graph, CapturedGraph):
+                graph.release()
+        self._step, self.prefill_graphs, self.kind = self.released, {}, "released"
+
+    @staticmethod
+    def released() -> None:
+        raise RuntimeError("This round runner was released (drafter.release() or detach); generate builds a new one.")
+
+    def use_fused(self, fused) -> None:
+        """From now on run `fused` (the same round, compiled ahead of time over the core's own tensors): captured
+        when this runner captures, else called."""
+        self._step = CapturedGraph(fused) if self.captured else fused
+        self.kind = "graph (fused ahead of time)" if self.captured else "fused ahead of time"
+
+    def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
+        """`core.prefill`, with the prompt's encoding replayed from its bucket's graph when there is one."""
+        width = self.core.prefill_width(input_ids.shape[1])
+        self.core.prefill(input_ids, attention_mask, max_new_tokens, generator, encode=self.prefill_graphs.get(width))
+
+    @staticmethod
+    def _capture_prefills(core: RoundCore) -> dict:
+        """One graph of `core.encode_prompt(width)` per bucket that fits the buffers, sharing one memory pool. The
+        warm-up and capture encode whatever the staging buffer holds; the caches they write lie beyond any real
+        prompt's columns or are overwritten by its own encoding."""
+        if not core.bucketed_prefill:
+            return {}  # prompts of any width: nothing to capture ahead
+        pool = torch.cuda.graph_pool_handle()
+        return {width: CapturedGraph(functools.partial(core.encode_prompt, width), pool=pool, warmup=1)
+                for width in PREFILL_BUCKETS if width + core.block_size <= core.capacity}

@@ -1,1 +1,236 @@
-../../generation/hooks.py
+"""Hooking a DFlash 2 drafter into `target.generate`: attach / detach, dispatch between the loops, request checks.
+
+After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs
+- one prompt: transformers' assisted loop with our candidate generator (honours every logits processor);
+- one prompt with `cache_implementation="static"`, or a batch: DFlash 2's own loop (`decode.py`: fixed buffers,
+  CUDA graphs on a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import torch
+
+from .candidate_generator import DFlash2CandidateGenerator
+from .decode import own_loop_generate, release_runners
+from .stats import DFlash2Stats
+
+# Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
+# beyond it the verification of batch x block tokens stops being latency-bound and speculation costs time.
+MEASURED_SPECULATIVE_BATCH_LIMIT = {"cuda": 8, "cpu": 2}
+
+
+def is_dflash2_drafter(model) -> bool:
+    # duck-typed: classes loaded through trust_remote_code are copies of ours under transformers_modules.*
+    return getattr(getattr(model, "config", None), "model_type", None) == "dflash2" and hasattr(model, "propose")
+
+
+# ------------------------------------------------------------------------------------------------ attach / detach
+def attach(drafter, target, use_by_default: bool = False):
+    """Make `target.generate(..., assistant_model=drafter)` draft with DFlash 2. Returns the target.
+
+    `use_by_default=True` also speculates when `generate` gets no assistant (the pipeline one-liner).
+    Only this target instance changes; `detach(target)` restores it.
+    """
+    drafter.bind_target(target)
+    if "_dflash2_originals" not in target.__dict__:
+        target._dflash2_originals = {
+            "_get_candidate_generator": target._get_candidate_generator,
+            "generate": target.__dict__.get("generate"),
+        }
+    original_get_candidate_generator = target._dflash2_originals["_get_candidate_generator"]
+    original_generate = target._dflash2_originals["generate"] or type(target).generate.__get__(target)
+
+    def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, *args, **kwargs):
+        if is_dflash2_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
+            return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids)
+        generator = original_get_candidate_generator(
+            generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
+            *args, **kwargs,
+        )
+        if is_dflash2_drafter(assistant_model):  # transformers' own DFlash path: count its rounds into last_stats
+            record_stats_of(generator, assistant_model, input_ids.shape[1])
+        return generator
+
+    @functools.wraps(original_generate)
+    def generate(*args, **kwargs):
+        if use_by_default and kwargs.get("assistant_model") is None and not _other_speculation(kwargs):
+            kwargs["assistant_model"] = target._dflash2_drafter
+        drafter_in_call = kwargs.get("assistant_model")
+        if is_dflash2_drafter(drafter_in_call):
+            check_request(target, drafter_in_call, args, kwargs)
+            batch = _batch_size(args, kwargs)
+            if batch > 1 and not speculation_pays_at(drafter_in_call, batch, target.device.type):
+                kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
+            elif batch > 1 or kwargs.get("cache_implementation") == "static":
+                return _own_loop(target, args, kwargs)
+        return original_generate(*args, **kwargs)
+
+    target._get_candidate_generator = _get_candidate_generator
+    target.generate = generate
+    target.__dict__["_dflash2_drafter"] = drafter  # not nn.Module.__setattr__: the drafter is no submodule of the target
+    return target
+
+
+def attached_drafter(target):
+    """The DFlash 2 drafter `attach` hooked into `target`, or None."""
+    return target.__dict__.get("_dflash2_drafter")
+
+
+def detach(target):
+    """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back, and the drafter lets go
+    of the target (its borrowed embeddings and head, and the round runners with their buffers and graphs)."""
+    originals = target.__dict__.pop("_dflash2_originals", None)
+    if originals is None:
+        return target
+    del target._get_candidate_generator
+    del target.generate
+    if originals["generate"] is not None:
+        target.generate = originals["generate"]
+    drafter = target.__dict__.pop("_dflash2_drafter", None)
+    if drafter is not None:
+        drafter._target_parts = {}
+        release_runners(drafter, target)
+    return target
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def _own_loop(target, args, kwargs):
+    """A batch, or one prompt with cache_implementation='static': DFlash 2's own fixed-buffer loop."""
+    drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
+    return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag)
+
+
+def _split_generate_call(target, args, kwargs):
+    """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call."""
+    # custom_generate forwards every argument of generate, most of them None or empty: those ask for nothing.
+    # A None that overrides a generation-config field (eos_token_id=None) does ask for something: keep it.
+    config_fields = set(target.generation_config.to_dict())
+    kwargs = {k: v for k, v in kwargs.items() if k in config_fields or (
+        v is not None and not (k in ("synced_gpus", "logits_processor", "stopping_criteria") and not v))}
+    drafter = kwargs.pop("assistant_model")
+    inputs = args[0] if args else kwargs.pop("inputs", None)
+    inputs = inputs if inputs is not None else kwargs.pop("input_ids")
+    attention_mask = kwargs.pop("attention_mask", None)
+    streamer = kwargs.pop("streamer", None)
+    compile_flag = kwargs.pop("compile", None)
+    for ignored in ("cache_implementation", "use_cache"):
+        kwargs.pop(ignored, None)
+    config = copy.deepcopy(kwargs.pop("generation_config", None) or target.generation_config)
+    unknown = config.update(**kwargs)
+    if unknown:
+        raise ValueError(f"DFlash 2's own loop does not take {sorted(unknown)}; drop them (or use one prompt without "
+                         "cache_implementation='static' for transformers' assisted loop).")
+    _refuse_unsupported_processors(config)
+    return drafter, inputs, attention_mask, streamer, compile_flag, config
+
+
+def speculation_pays_at(drafter, batch: int, device_type: str) -> bool:
+    """False (with a warning naming the override) when `batch` exceeds the drafter's speculative batch limit."""
+    limit = drafter.config.max_speculative_batch_size
+    if limit is None:
+        limit = MEASURED_SPECULATIVE_BATCH_LIMIT.get(device_type, 1)
+    if batch <= limit:
+        return True
+    warnings.warn(
+        f"DFlash 2: batch size {batch} is above max_speculative_batch_size={limit} for {device_type}, "
+        "where batched speculation was measured slower than plain batched generate; decoding without the drafter. "
+        "Set `drafter.config.max_speculative_batch_size` higher to speculate anyway.", stacklevel=3)
+    return False
+
+
+def _refuse_unsupported_processors(config) -> None:
+    """DFlash 2's own loop warps with temperature, top-k and top-p; anything else needs transformers' loop."""
+    names = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "typical_p",
+             "epsilon_cutoff", "eta_cutoff", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
+    found = {name: getattr(config, name, None) for name in names}
+    found = {k: v for k, v in found.items() if v not in (None, 1.0, 0, 0.0, [], ())}
+    if found:
+        raise ValueError(f"DFlash 2's own loop supports temperature, top_k and top_p only; got {found}. Use one "
+                         "prompt without cache_implementation='static' for transformers' loop, which honours every "
+                         "logits processor.")
+
+
+def record_stats_of(generator, drafter, prompt_length: int) -> None:
+    """Make a candidate generator of transformers' (the built-in `speculation_type="dflash"` path) fill
+    `drafter.last_stats` as our own generator does: one round per verification forward, prefill included."""
+    stats = drafter.last_stats = DFlash2Stats(drafter.config.block_size)
+    update = generator.update_candidate_strategy
+
+    def update_candidate_strategy(input_ids, scores, num_matches):
+        stats.record_round(int(num_matches))
+        stats.completion_tokens = input_ids.shape[1] - prompt_length
+        return update(input_ids, scores, num_matches)
+
+    generator.update_candidate_strategy = update_candidate_strategy
+
+
+def _other_speculation(kwargs) -> bool:
+    return any(kwargs.get(k) is not None for k in ("prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate"))
+
+
+def check_request(target, drafter, args, kwargs) -> None:
+    """One clear error for a generate call DFlash 2 cannot serve, before transformers gets a chance to crash."""
+    if getattr(drafter, "_target_parts", {}).get("head") is not target.get_output_embeddings():
+        raise ValueError(
+            "This DFlash 2 drafter is attached to another model. Call `drafter.attach(target)` for the model whose "
+            "`generate` you call."
+        )
+    config = kwargs.get("generation_config") or target.generation_config
+    num_beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+    if num_beams > 1:
+        raise ValueError(
+            f"DFlash 2 speculative decoding does greedy search and sampling, not beam search (num_beams={num_beams}). "
+            "Drop num_beams, or drop assistant_model to use beam search without speculation."
+        )
+    num_sequences = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1
+    if num_sequences > 1:
+        raise ValueError(
+            f"DFlash 2 speculative decoding returns one sequence per prompt (num_return_sequences={num_sequences}). "
+            "Repeat the prompt in the batch instead, or drop assistant_model."
+        )
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if inputs is None or not hasattr(inputs, "dim") or inputs.dim() != 2:
+        return
+    if inputs.shape[1] == 0:
+        raise ValueError(
+            f"The prompt is empty (input_ids of shape {tuple(inputs.shape)}): speculative decoding drafts from the "
+            "last prompt token, so it needs at least one. Pass a non-empty prompt (the chat template's output, or the "
+            "BOS token alone: torch.tensor([[tokenizer.bos_token_id]]))."
+        )
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and inputs.shape[1] > limit:
+        raise ValueError(
+            f"The prompt has {inputs.shape[1]} tokens, more than the target's max_position_embeddings={limit}. "
+            f"Shorten it to fewer than {limit} tokens, e.g. tokenizer(..., truncation=True, max_length={limit - 1})."
+        )
+    if inputs.shape[0] > 1 and kwargs.get("attention_mask") is None:
+        _refuse_padding_without_mask(inputs, kwargs.get("pad_token_id", getattr(config, "pad_token_id", None)))
+
+
+def _refuse_padding_without_mask(inputs, pad) -> None:
+    """A batch without attention_mask: padding at either end would be read as prompt tokens."""
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if pad is None:
+        return
+    pad = int(pad)
+    ends, starts = torch.stack([inputs[:, -1] == pad, inputs[:, 0] == pad]).tolist()  # one host read
+    for side, flags, verb, fix in (("right", ends, "ends", "Pad on the left (tokenizer.padding_side = 'left') and pass"),
+                                   ("left", starts, "starts", "Pass")):
+        if any(flags):
+            raise ValueError(
+                f"DFlash 2 got a batch of {inputs.shape[0]} prompts without attention_mask, and row {flags.index(True)} "
+                f"{verb} with the pad token {pad}: a {side}-padded batch. {fix} the attention_mask the tokenizer "
+                "returns (tokenizer(prompts, padding=True, return_tensors='pt'))."
+            )
+
+
+def _batch_size(args, kwargs) -> int:
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return inputs.shape[0] if inputs is not None and hasattr(inputs, "shape") and inputs.dim() == 2 else 1

@@ -1,1 +1,322 @@
-../../generation/round_core.py
+"""The one round core behind DFlash 2's own loops (batch 1 and batched, eager and CUDA graphs).
+
+It owns fixed buffers for one (target, drafter, batch, capacity) and one round in which every tensor has the same
+shape, stride and address each time, so the round can be captured once and replayed as a CUDA graph.
+
+Layout. Row r lives in columns 0 .. capacity-1 of both caches. Its prompt is left-padded so that its first real token
+sits in column `first_column[r]`; column c holds position c - first_column[r]. A round writes its block
+[anchor, d1 .. d(B-1)] into columns start[r] .. start[r]+B-1 of the target cache, and the tapped features of the
+previous block into the drafter's context at the columns that block occupied. Rejected drafts need no rollback: their
+columns lie at or beyond the next start, where every mask hides them, and the next block overwrites them.
+
+A round reads top to bottom: `draft_block` -> `propose` -> `verify` -> `accept`. `accept` advances the state in place
+and appends the emitted tokens to a per-row output buffer, so rounds can be queued back to back with no host read in
+between; a finished row (EOS or max_new_tokens) freezes until the host notices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
+from .sampling import Sampling, draft_temperature, first_token, greedy_accept, speculative_accept, warped_probabilities
+
+PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
+# Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one
+PREFILL_BUCKETS = tuple(2 ** k for k in range(4, 12))  # 16 .. 2048 = PREFILL_CHUNK
+
+
+def prefill_width(length: int, block_size: int, bucketed: bool = False) -> int:
+    """Columns a prompt of `length` tokens is left-padded to (the first round's context is its last block)."""
+    width = max(length, block_size)
+    if bucketed and width <= PREFILL_BUCKETS[-1]:
+        return next(bucket for bucket in PREFILL_BUCKETS if bucket >= width)
+    return width
+
+
+class ColumnCache:
+    """Keys/values per layer in fixed buffers [b, kv_heads, capacity, head_dim], written at per-row columns.
+
+    Before a forward, `set_write_columns(columns [b, n])` names where the first n new key/value rows of every row go.
+    `update` writes them and returns the whole buffer, followed (drafter side, `append_unwritten`) by the rows it did
+    not store: the drafter's block rows are attended to but never kept. Buffers are allocated at the first update, on
+    the device of that layer's keys (a target spread by `device_map` keeps each layer's cache beside the layer).
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, capacity: int, append_unwritten: bool):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = capacity
+        self.append_unwritten = append_unwritten
+        self.write_columns: torch.Tensor | None = None
+        self._flat_index: dict[torch.device, torch.Tensor] = {}
+
+    def set_write_columns(self, columns: torch.Tensor) -> None:
+        self.write_columns = columns
+        self._flat_index = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.keys[layer_idx] is None:
+            batch, heads, _, head_dim = key_states.shape
+            shape = (batch, heads, self.capacity, head_dim)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        count = self.write_columns.shape[1]
+        index = self._index_for(keys)
+        keys.view(-1, keys.shape[-1]).index_copy_(0, index, key_states[:, :, :count].reshape(-1, keys.shape[-1]))
+        values.view(-1, keys.shape[-1]).index_copy_(0, index, value_states[:, :, :count].reshape(-1, keys.shape[-1]))
+        if not self.append_unwritten:
+            return keys, values
+        return torch.cat([keys, key_states[:, :, count:]], dim=2), torch.cat([values, value_states[:, :, count:]], dim=2)
+
+    def _index_for(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Row indices of `buffer` viewed as [b * heads * capacity, head_dim] for the write columns, [b*heads*n]."""
+        device = buffer.device
+        if device not in self._flat_index:
+            batch, heads, capacity, _ = buffer.shape
+            columns = self.write_columns.to(device)
+            rows = torch.arange(batch, device=device).view(-1, 1, 1) * heads + torch.arange(heads, device=device).view(
+                1, -1, 1)
+            self._flat_index[device] = (rows * capacity + columns[:, None, :]).flatten()
+        return self._flat_index[device]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+
+class RoundCore:
+    """Fixed buffers and one fixed-shape round for (target, drafter, batch, capacity, sampling settings)."""
+
+    def __init__(self, target, drafter, batch: int, capacity: int, sampling: Sampling, eos_token_ids=(),
+                 bucketed_prefill: bool = False):
+        config = drafter.config
+        check_target_fits(target)
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.batch, self.capacity, self.block_size = batch, capacity, config.block_size
+        self.layer_ids = list(config.target_layer_ids)
+        self.device = device = drafter.device
+        self.cache_keyword = cache_keyword(target)
+        text = target.config.get_text_config()
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        self.target_window = text.sliding_window if "sliding_attention" in layer_types else None
+        self.target_cache = ColumnCache(text.num_hidden_layers, capacity, append_unwritten=False)
+        self.draft_cache = ColumnCache(config.num_hidden_layers, capacity, append_unwritten=True)
+
+        block, long = self.block_size, dict(dtype=torch.long, device=device)
+        self.columns = torch.arange(capacity, **long)  # [capacity]
+        self.offsets = torch.arange(block, **long)  # [B]
+        self.mask_row = torch.full((1, block - 1), config.mask_token_id, **long)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), **long)
+        # ---- state of every row, advanced in place by each round
+        self.anchor = torch.zeros(batch, **long)  # last emitted token: row 0 of the next block
+        self.start = torch.zeros(batch, **long)  # column of the anchor
+        self.first_column = torch.zeros(batch, **long)  # first real (unpadded) column
+        self.context_columns = torch.zeros(batch, block, **long)  # columns of `features`, the last verified block
+        self.features = torch.zeros(batch, block, config.num_target_taps * config.target_hidden_size,
+                                    dtype=drafter.dtype, device=device)
+        self.max_new_tokens = torch.zeros((), **long)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        # ---- what the rounds emitted: max_new_tokens fits in capacity, and a round writes one block past the end
+        self.output = torch.zeros(batch, capacity + block, **long)
+        self.output_length = torch.zeros(batch, **long)
+        self.rounds = torch.zeros(batch, **long)
+        self.accepted_per_position = torch.zeros(batch, block - 1, **long)
+        # ---- the prompt, staged for `encode_prompt`, and what encoding it leaves for `start_decoding`
+        self.bucketed_prefill = bucketed_prefill
+        self.prompt_ids = torch.zeros(batch, PREFILL_CHUNK if bucketed_prefill else block, **long)
+        self.prompt_logits = torch.zeros(batch, text.vocab_size, dtype=torch.float32, device=device)
+        self.prompt_features = torch.zeros_like(self.features)
+        # ---- randomness of a sampling round, drawn outside the round (see `draw_noise`)
+        width = config.selector_top_k if drafter.candidate_selector is not None else config.vocab_size
+        self.draft_noise = torch.zeros(batch, block - 1, width, device=device)
+        self.uniform = torch.zeros(batch, block - 1, device=device)
+        self.bonus_noise = torch.zeros(batch, config.vocab_size, device=device)
+
+    # ------------------------------------------------------------------------------------------ masks
+    def target_masks(self, query_columns: torch.Tensor):
+        """What verification queries at `query_columns` [b, q] see: real columns up to their own (a padding column
+        sees itself, so no row is empty), within the target's window on its sliding layers. [b, 1, q, capacity]."""
+        keys = self.columns.view(1, 1, -1)
+        queries = query_columns[:, :, None]
+        allowed = ((keys >= self.first_column.view(-1, 1, 1)) & (keys <= queries)) | (keys == queries)
+        if self.target_window is None:
+            return allowed[:, None]
+        sliding = allowed & (queries - keys < self.target_window)
+        return {"full_attention": allowed[:, None], "sliding_attention": sliding[:, None]}
+
+    # ------------------------------------------------------------------------------------------ one round
+    def draft_block(self) -> torch.Tensor:
+        """Store the last block's features in the drafter's context and denoise [anchor, MASK ...] at `start`.
+        Returns the block's final hidden states [b, B, H]."""
+        drafter, batch = self.drafter, self.batch
+        first = self.first_column.view(-1, 1)
+        block_columns = self.start.view(-1, 1) + self.offsets  # [b, B]
+        block_ids = torch.cat([self.anchor.view(-1, 1), self.mask_row.expand(batch, -1)], dim=1)
+        self.draft_cache.set_write_columns(self.context_columns)
+        key_columns = torch.cat([self.columns.expand(batch, -1), block_columns], dim=1)  # buffer, then the block
+        visible = torch.cat([(self.columns >= first) & (self.columns < self.start.view(-1, 1)),
+                             torch.ones_like(block_columns, dtype=torch.bool)], dim=1)
+        masks = drafter.attention_masks(block_columns - first, key_columns - first, visible)
+        positions = torch.cat([self.context_columns, block_columns], dim=1) - first
+        return drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=self.features,
+                       position_ids=positions, attention_mask=masks, cache=self.draft_cache).last_hidden_state
+
+    def propose(self, hidden: torch.Tensor):
+        """Drafts [b, B-1] from the denoised block (selector walk), and their proposal distribution when sampling."""
+        sampling = self.sampling
+        return self.drafter.propose(self.anchor, hidden, gumbel=self.draft_noise if sampling.do_sample else None,
+                                    transform=draft_temperature(sampling) if sampling.do_sample else None)
+
+    def verify(self, block: torch.Tensor):
+        """One target forward over the block at columns start .. start+B-1: fp32 logits [b, B, V] and the tapped
+        features [b, B, taps*H] of its rows."""
+        block_columns = self.start.view(-1, 1) + self.offsets
+        self.target_cache.set_write_columns(block_columns)
+        out = self.target(input_ids=block, position_ids=block_columns - self.first_column.view(-1, 1),
+                          attention_mask=self.target_masks(block_columns), use_cache=True, output_hidden_states=True,
+                          **{self.cache_keyword: self.target_cache})
+        return out.logits.float(), tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
+
+    def accept(self, block, accepted, next_token, features) -> None:
+        """Emit each live row's accepted drafts and its next token, then advance its state; finished rows freeze."""
+        live = ~self.done
+        advance = torch.where(live, accepted + 1, torch.zeros_like(accepted))
+        emitted = torch.cat([block[:, 1:], next_token.view(-1, 1)], dim=1).scatter(1, accepted.view(-1, 1),
+                                                                                   next_token.view(-1, 1))
+        slots = (self.output_length.view(-1, 1) + self.offsets).clamp(max=self.output.shape[1] - 1)
+        self.output.scatter_(1, slots, emitted)  # a frozen row writes only past its length
+        hit_eos = (torch.isin(emitted, self.eos) & (self.offsets <= accepted.view(-1, 1))).any(-1)
+        self.accepted_per_position.add_(live.view(-1, 1) & (self.offsets[:-1] < accepted.view(-1, 1)))
+        self.rounds.add_(live.long())
+        self.output_length.add_(advance)
+        self.done.logical_or_(live & (hit_eos | (self.output_length >= self.max_new_tokens)))
+        self.context_columns.copy_(self.start.view(-1, 1) + self.offsets)
+        self.features.copy_(features)
+        self.start.add_(advance)
+        self.anchor.copy_(torch.where(live, next_token, self.anchor))
+
+    @torch.no_grad()
+    def round(self) -> None:
+        """draft -> propose -> verify -> accept, all on the device, every shape fixed."""
+        hidden = self.draft_block()
+        proposal = self.propose(hidden)
+        block = torch.cat([self.anchor.view(-1, 1), proposal.tokens], dim=1)
+        logits, features = self.verify(block)
+        if self.sampling.do_sample:
+            accepted, next_token = speculative_accept(proposal.tokens, proposal.proposal_logits.softmax(-1),
+                                                      warped_probabilities(logits, self.sampling), self.uniform,
+                                                      self.bonus_noise)
+        else:
+            accepted, next_token = greedy_accept(proposal.tokens, logits)
+        self.accept(block, accepted, next_token, features)
+
+    def draw_noise(self, generator: torch.Generator | None = None) -> None:
+        """Fill the round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the tests)."""
+        for buffer in (self.draft_noise, self.bonus_noise):
+            sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
+        self.uniform.uniform_(generator=generator)
+
+    # ------------------------------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None, encode=None) -> None:
+        """Encode left-padded prompts [b, P] into both caches and emit each row's first token.
+
+        Three steps: `stage_prompt` (the prompt into fixed buffers, left-padded to `prefill_width`), `encode_prompt`
+        (the target and drafter forwards: eager, or `encode()` when given, a replay of a graph captured from
+        `encode_prompt(width)`), `start_decoding` (the first token and the round state)."""
+        width, staged = self.stage_prompt(input_ids, attention_mask, max_new_tokens)
+        if encode is not None and staged is self.prompt_ids:
+            encode()
+        else:
+            self.encode_prompt(width, staged)
+        self.start_decoding(width, max_new_tokens, generator)
+
+    def prefill_width(self, length: int) -> int:
+        """Columns the prompt is left-padded to: at least a block; with `bucketed_prefill`, the next prefill bucket."""
+        return prefill_width(length, self.block_size, self.bucketed_prefill)
+
+    def stage_prompt(self, input_ids, attention_mask, max_new_tokens: int):
+        """The prompt left-padded to its prefill width, in the fixed staging buffer `prompt_ids` when it fits there
+        (else in a tensor of its own); each row's first column set. Returns (width, the staged ids)."""
+        batch, length = input_ids.shape
+        width = self.prefill_width(length)
+        if width + max_new_tokens + self.block_size > self.capacity:
+            raise ValueError(f"prompt ({length}) + max_new_tokens ({max_new_tokens}) + block does not fit the "
+                             f"buffers' capacity {self.capacity}.")
+        staged = self.prompt_ids if width <= self.prompt_ids.shape[1] else torch.zeros(
+            batch, width, dtype=torch.long, device=self.device)
+        staged[:, : width - length] = 0
+        staged[:, width - length: width] = input_ids.to(self.device)
+        self.first_column.copy_(width - attention_mask.to(self.device).long().sum(-1))
+        return width, staged
+
+    @torch.no_grad()
+    def encode_prompt(self, width: int, staged: torch.Tensor | None = None) -> None:
+        """The staged prompt's columns 0 .. width-1 through the target (in chunks) and into the drafter's context;
+        writes `prompt_logits` [b, V] (the last column's) and `prompt_features` [b, B, taps*H] (the last block's).
+        Reads and writes fixed buffers only, so one graph per width can be captured from it."""
+        batch, first = self.batch, self.first_column.view(-1, 1)
+        staged = self.prompt_ids if staged is None else staged
+        for begin in range(0, width, PREFILL_CHUNK):
+            columns = self.columns[begin: min(begin + PREFILL_CHUNK, width)].expand(batch, -1)
+            self.target_cache.set_write_columns(columns)
+            out = self.target(input_ids=staged[:, begin: begin + columns.shape[1]],
+                              position_ids=(columns - first).clamp(min=0), attention_mask=self.target_masks(columns),
+                              use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                              **{self.cache_keyword: self.target_cache})
+            features = tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
+            self.store_context(features, columns)
+        self.prompt_logits.copy_(out.logits[:, -1])
+        self.prompt_features.copy_(features[:, -self.block_size:])
+
+    def start_decoding(self, width: int, max_new_tokens: int, generator=None) -> None:
+        """Each row's first token from the prompt's logits, and the state the first round starts from."""
+        block, batch = self.block_size, self.batch
+        token = first_token(self.prompt_logits, self.sampling, generator)
+        # the prompt's last block is stored again by the first round: same values, same columns
+        self.context_columns.copy_(self.columns[width - block: width].expand(batch, -1))
+        self.features.copy_(self.prompt_features)
+        self.anchor.copy_(token)
+        self.start.fill_(width)
+        self.output[:, 0] = token
+        self.output_length.fill_(1)
+        self.max_new_tokens.fill_(max_new_tokens)
+        self.done.copy_(torch.isin(token, self.eos) | (max_new_tokens <= 1))
+        self.rounds.zero_()
+        self.accepted_per_position.zero_()
+
+    def store_context(self, features: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write features [b, n, taps*H] into the drafter's context at `columns` [b, n] (one drafter pass whose block
+        rows see only themselves and are thrown away)."""
+        drafter, batch = self.drafter, self.batch
+        first = self.first_column.view(-1, 1)
+        block_columns = columns[:, -1:] + 1 + self.offsets
+        self.draft_cache.set_write_columns(columns)
+        key_columns = torch.cat([self.columns.expand(batch, -1), block_columns], dim=1)
+        visible = torch.cat([torch.zeros(batch, self.capacity, dtype=torch.bool, device=self.device),
+                             torch.ones_like(block_columns, dtype=torch.bool)], dim=1)
+        block_ids = torch.cat([self.anchor.view(-1, 1), self.mask_row.expand(batch, -1)], dim=1)
+        drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
+                position_ids=(torch.cat([columns, block_columns], dim=1) - first).clamp(min=0),
+                attention_mask=drafter.attention_masks(block_columns - first, key_columns - first, visible),
+                cache=self.draft_cache)
+
+
+def check_target_fits(target) -> None:
+    """One clear error for targets whose layers the fixed-buffer loops cannot drive."""
+    text = target.config.get_text_config()
+    implementation = getattr(target.config, "_attn_implementation", None)
+    if implementation not in (None, "sdpa", "eager"):
+        raise ValueError(f"DFlash 2's own loops pass the target explicit boolean masks, which attn_implementation="
+                         f"'{implementation}' does not take. Load the target with attn_implementation='sdpa', or "
+                         "use transformers' assisted loop (batch 1, no cache_implementation='static').")
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(f"The target has {unsupported} layers, whose state cannot be rolled back to a verified "
+                         "position, so no speculative loop can verify drafts for it (transformers' assisted generation "
+                         "refuses such stateful models too). DFlash 2 needs attention-only targets: decode this one "
+                         "without assistant_model.")

@@ -1,1 +1,104 @@
-../../generation/sampling.py
+"""Greedy and exact speculative acceptance, target-side warping and the randomness of a round, vectorised over rows.
+
+DFlash 2's own loops support temperature, top-k and top-p (transformers' assisted loop honours every logits processor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Target-side warping DFlash 2's own loops support (transformers' assisted loop supports every processor)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_generation_config(cls, config) -> "Sampling":
+        return cls(bool(config.do_sample), config.temperature or 1.0, config.top_k or 0, config.top_p or 1.0)
+
+
+def eos_token_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """softmax of temperature/top-k/top-p-warped logits (fp32), as transformers' warpers compute them."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        cumulative = cumulative_probabilities(sorted_logits)
+        remove_sorted = cumulative <= 1 - sampling.top_p
+        remove_sorted[..., -1:] = False  # keep at least one token
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits.softmax(-1)
+
+
+def _cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
+    """softmax then cumsum over the vocabulary, kept out of inductor's code: inductor (torch 2.11, Triton) fails to
+    generate code for a scan this long ("Error in codegen ... SplitScan"). As a custom op it runs eagerly inside a
+    compiled graph: no graph break (a whole-graph compile needs none), no host synchronisation."""
+    return sorted_logits.softmax(-1).cumsum(-1)
+
+
+if not hasattr(torch.ops.dflash2, "cumulative_probabilities"):  # once per process (the remote-code copy reuses it)
+    torch.library.custom_op("dflash2::cumulative_probabilities", mutates_args=(),
+                            schema="(Tensor sorted_logits) -> Tensor")(_cumulative_probabilities).register_fake(
+        lambda sorted_logits: torch.empty_like(sorted_logits))
+cumulative_probabilities = torch.ops.dflash2.cumulative_probabilities
+
+
+def speculative_accept(drafts, draft_probs, target_probs, uniform, gumbel):
+    """Exact speculative sampling, vectorised over rows and block positions.
+
+    drafts [b, R]; draft_probs q [b, R, V]; target_probs p [b, R+1, V]; uniform [b, R]; gumbel [b, V].
+    Accept draft t while u_t * q_t(d_t) < p_t(d_t); at the first rejection sample from normalise(max(p - q, 0))
+    (p itself if that is empty); after R acceptances sample the bonus from p_R. Returns (accepted count [b],
+    next token [b]).
+    """
+    rows = drafts.shape[1]
+    p_draft = target_probs[:, :rows].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_draft = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    accepted = (uniform * q_draft < p_draft).long().cumprod(-1).sum(-1)  # [b]
+    index = accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])
+    p_next = target_probs.gather(1, index).squeeze(1)
+    padded_q = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # no q after the last draft
+    residual = (p_next - padded_q.gather(1, index).squeeze(1)).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_next, residual)
+    next_token = (residual.log() + gumbel).argmax(-1)
+    return accepted, next_token
+
+
+def greedy_accept(drafts, target_logits):
+    """Longest prefix of drafts equal to the target's argmax, and the target's token after it."""
+    target_tokens = target_logits.argmax(-1)  # [b, R+1]
+    accepted = (drafts == target_tokens[:, :-1]).long().cumprod(-1).sum(-1)
+    return accepted, target_tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+
+
+def first_token(logits, sampling: Sampling, generator=None):
+    """The token after the prefill, per row: argmax, or a sample from the warped distribution."""
+    if not sampling.do_sample:
+        return logits.argmax(-1)
+    return torch.multinomial(warped_probabilities(logits, sampling), 1, generator=generator).squeeze(-1)
+
+
+def draft_temperature(sampling: Sampling):
+    """Draft side: temperature only (q need not match p for exactness; it only sets the acceptance rate)."""
+
+    def transform(t, drafted, scores, candidates=None):
+        return scores / sampling.temperature
+
+    return transform

@@ -1,7 +1,7 @@
 """compile="background" in one process: how long the child takes to build the round's package, then the unfused
 round (graph of eager kernels on a GPU, eager on a CPU) against the package's round on the same prompts.
 
-    python -m dflash2.benchmarks.fusion_check --device cpu --out runs/fusion-check.json
+    python -m dflash2.lab.fusion_check --device cpu --out runs/fusion-check.json
 
 As a user's first minutes go: the first call of the process (`first_call_s`: the core built and captured, the child
 started) and then calls on the prompts in turn while the child builds (`while_building`: their times and what ran),
@@ -23,7 +23,8 @@ import torch
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
+    from dflash2.benchmarks.common import command_line, write_report
+    from dflash2.pairs import add_model_arguments, load_pair
     from dflash2.benchmarks.speed import timed
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -50,9 +51,9 @@ def main(argv=None):
 
     started = time.perf_counter()
     _, first = call(encoded[0], compile="background")
-    runner = next(r for r in drafter._round_cores.values() if getattr(r, "fusion", None) is not None)
+    runner = next(r for r in drafter.round_runners() if r.fusion is not None)
     building = []  # (seconds, round kind) of each call made while the child builds
-    while runner.fusion.job is not None and not runner.fusion.job.ready():
+    while runner.fusion.state == "building" and runner.fusion.process.poll() is None:
         building.append((call(encoded[len(building) % len(encoded)], compile="background")[1], runner.kind))
     build = time.perf_counter() - started
     memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -63,7 +64,7 @@ def main(argv=None):
     times = sorted(s for s, _ in building)
     unfused = [call(ids, compile=False) for ids in encoded]
     fused = [call(ids, compile="background") for ids in encoded]
-    report = {"command": command_line("dflash2.benchmarks.fusion_check", argv),
+    report = {"command": command_line("dflash2.lab.fusion_check", argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "dtype": str(drafter.dtype), "torch": torch.__version__,
               "first_call_s": round(first, 3), "child_build_s": round(build, 1),
@@ -73,7 +74,7 @@ def main(argv=None):
               "switch_call_s": round(switch, 3), "switch_memory_mb": None if memory is None else
               round(memory / 2 ** 20, 1), "kind": runner.kind, "fusion_state": runner.fusion.state,
               "switch_warnings": [str(w.message) for w in caught],
-              "failure": runner.fusion.job.failure() if runner.fusion.job is not None else None,
+              "failure": runner.fusion.reason,
               "unfused_s": [round(s, 4) for _, s in unfused], "fused_s": [round(s, 4) for _, s in fused],
               "unfused_tokens": sum(len(ids) for ids, _ in unfused), "fused_tokens": sum(len(ids) for ids, _ in fused),
               "speedup": round(sum(len(ids) for ids, _ in fused) / sum(s for _, s in fused)

@@ -1,10 +1,10 @@
 """Real model shapes, random weights: what one round of every DFlash 2 loop costs on the GPU, against plain decoding.
 
-    python -m dflash2.benchmarks.scale --parts 8b --out runs/scale-8b.json          # one H200
-    python -m dflash2.benchmarks.scale --parts 8b-long --out runs/scale-8b-long.json
-    python -m dflash2.benchmarks.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
-    python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
-    python -m dflash2.benchmarks.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
+    python -m dflash2.lab.scale --parts 8b --out runs/scale-8b.json          # one H200
+    python -m dflash2.lab.scale --parts 8b-long --out runs/scale-8b-long.json
+    python -m dflash2.lab.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
+    python -m dflash2.lab.scale --parts lossless --out runs/scale-lossless.json
+    python -m dflash2.lab.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
 
 Targets are built from configs only (no download): Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads,
 head_dim 128, intermediate 12288, vocabulary 151936) and Qwen3-32B shape (hidden 5120, 64 layers, 64 heads, 8 KV
@@ -18,6 +18,8 @@ Loops: `assisted` (transformers' loop, `generate(assistant_model=drafter)`), `gr
 `cache_implementation="static"`: the round captured as a CUDA graph of eager kernels), `fused` (the same round compiled
 by inductor, then captured; one compile, batch 1, first block size), `batched` (batch 4 and 8, one round per step for
 the whole batch); plain decoding `plain-eager` and `plain-static` (transformers compiles the static-cache forward).
+`plain-graph` is the expert per-token baseline: plain greedy decoding with no `generate`, the one-token step captured
+as a CUDA graph and replayed with no host read per token (`benchmarks/plain_graph.py`; eager on a split target).
 On a target split over GPUs the own loops cannot be captured and run their round eagerly (`kind` says so).
 `plain-static` runs last in a part: a fused DFlash 2 graph replayed after transformers' compiled plain decoding in the
 same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects methods for a process of its
@@ -66,8 +68,9 @@ SMOKE_SHAPES = {
                      intermediate_size=128, vocab_size=256),
 }
 PARTS = ("8b", "8b-long", "32b", "lossless")
-METHODS = ("plain-eager", "assisted", "graph", "batched", "fused", "plain-static")
-DEFAULT_METHODS = ("plain-eager", "assisted", "graph", "batched", "plain-static")  # fused: an invocation of its own
+METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "fused", "plain-static")
+# fused: an invocation of its own
+DEFAULT_METHODS = ("plain-eager", "plain-graph", "assisted", "graph", "batched", "plain-static")
 COMPILING = {"fused": 240.0, "plain-static": 150.0}  # seconds a method may need beyond its runs (compile)
 
 
@@ -97,7 +100,7 @@ def build_split_target(config, devices: list, dtype, seed: int = 0):
     from transformers import Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash2.benchmarks.device_map_check import split_layers
+    from dflash2.lab.device_map_check import split_layers
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
@@ -142,10 +145,9 @@ def parameter_bytes(module) -> int:
 
 
 def release_drafter(drafter, target) -> None:
-    """Detach, and make sure the target keeps no reference to the drafter (older `attach` registered it as a
-    submodule of the target): its weights must not stay alive into the next method's peak memory."""
+    """Detach (which releases the drafter's buffers and graphs): its weights and buffers must not stay alive into the
+    next method's peak memory."""
     drafter.detach(target)
-    target._modules.pop("_dflash2_drafter", None)
 
 
 def present(devices) -> bool:
@@ -183,6 +185,12 @@ def generate(target, ids, new_tokens: int, devices, **kwargs):
     """One greedy generate call of exactly `new_tokens` tokens (no EOS): output and wall seconds."""
     synchronize(devices)
     started = time.perf_counter()
+    if kwargs.pop("plain_graph", False):  # the plain CUDA-graph loop (rows of one length: no mask)
+        from dflash2.benchmarks.plain_graph import plain_graph_generate
+
+        out = plain_graph_generate(target, ids, new_tokens)
+        synchronize(devices)
+        return out, time.perf_counter() - started
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                           eos_token_id=None, pad_token_id=0, **kwargs)
     synchronize(devices)
@@ -191,11 +199,11 @@ def generate(target, ids, new_tokens: int, devices, **kwargs):
 
 def own_loop_state(drafter) -> dict:
     """The round core the last own-loop call used: how its round ran and what its buffers hold."""
-    entries = list(drafter.__dict__.get("_round_cores", {}).values())
-    if not entries:
+    runners = drafter.round_runners()
+    if not runners:
         return {}
-    entry = entries[-1]  # a runner holding its core (older layouts: a (core, runner) pair)
-    core, runner = entry if isinstance(entry, tuple) else (entry.core, entry)
+    runner = runners[-1]
+    core = runner.core
 
     def held(cache):
         return sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
@@ -205,8 +213,8 @@ def own_loop_state(drafter) -> dict:
 
 
 def forget_own_loops(drafter) -> None:
-    """Drop the drafter's round cores (their buffers would count in the next method's peak memory)."""
-    drafter.__dict__.pop("_round_cores", None)
+    """Release the drafter's round cores (their buffers would count in the next method's peak memory)."""
+    drafter.release()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -247,6 +255,11 @@ def time_method(method: str, target, drafter, ids, args, devices, extra=None) ->
     result["peak_memory_gb"] = peak_gb(devices)
     if drafter is not None:
         forget_own_loops(drafter)
+    if method == "plain-graph":
+        from dflash2.benchmarks.plain_graph import forget_plain_graph_loops
+
+        forget_plain_graph_loops(target)
+        forget_own_loops_cache()
     return result
 
 
@@ -299,7 +312,7 @@ def projections(results: list[dict]) -> list[dict]:
     for r in results:
         if "per_round_ms" not in r:
             continue
-        for baseline in ("plain-eager", "plain-static"):
+        for baseline in ("plain-eager", "plain-static", "plain-graph"):
             token_ms = plain.get((baseline, r["batch"], r["prompt_tokens"]))
             if token_ms is None:
                 continue
@@ -330,6 +343,7 @@ def part_speed(name: str, args, budget, split: bool) -> dict:
     prompts = {b: random_prompts(b, args.prompt_tokens, shape["vocab_size"], seed=b).to(first)
                for b in sorted({1, *args.batch_sizes})}
     plain_plan = [("plain-eager", None, prompts[b], {}) for b in prompts]
+    plain_plan += [("plain-graph", None, prompts[b], {"plain_graph": True}) for b in prompts]
     run_methods(plain_plan, target, args, devices, budget, report["results"], name)
     drafters = []
     for block in args.block_sizes:
@@ -490,17 +504,21 @@ def part_lossless(args, budget) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 def table(report: dict) -> str:
     lines = [f"{'part':9} {'method':13} {'B':>3} {'batch':>5} {'prompt':>6} {'round ms':>9} {'token ms':>9} "
-             f"{'prefill s':>9} {'tau':>5} {'peak GB':>8}  projected speedup vs plain-static (tau 4.0/5.0/6.5)"]
+             f"{'prefill s':>9} {'tau':>5} {'peak GB':>8}  projected speedup vs plain-static; vs plain-graph "
+             "(tau 4.0/5.0/6.5)"]
     for part, data in report["parts"].items():
-        projected = {(p["method"], p["block_size"], p["batch"], p["prompt_tokens"]): p["speedup"]
-                     for p in data.get("projected", []) if p["against"] == "plain-static"}
+        projected = {}
+        for p in data.get("projected", []):
+            if p["against"] in ("plain-static", "plain-graph"):
+                projected.setdefault((p["method"], p["block_size"], p["batch"], p["prompt_tokens"]), {})[
+                    p["against"]] = "/".join(f"{v:.2f}" for v in p["speedup"].values())
         for r in data.get("results", []):
             if "skipped" in r or "error" in r:
                 lines.append(f"{part:9} {r['method']:13} {r.get('block_size') or '':>3} {r['batch']:>5} "
                              f"{r['prompt_tokens']:>6}  {r.get('skipped') or r.get('error')}")
                 continue
             key = (r["method"], r.get("block_size"), r["batch"], r["prompt_tokens"])
-            speedup = "/".join(f"{v:.2f}" for v in projected[key].values()) if key in projected else ""
+            speedup = "; ".join(f"{k} {v}" for k, v in projected.get(key, {}).items())
             lines.append(f"{part:9} {r['method']:13} {r.get('block_size') or '':>3} {r['batch']:>5} "
                          f"{r['prompt_tokens']:>6} {r.get('per_round_ms', ''):>9} {r.get('per_token_ms', ''):>9} "
                          f"{r.get('prefill_s', ''):>9} {r.get('tau', ''):>5} {str(r.get('peak_memory_gb')):>8}  "
@@ -512,7 +530,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dflash2.benchmarks.scale", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dflash2.lab.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="8b", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),

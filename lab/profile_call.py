@@ -1,6 +1,6 @@
 """Where one `generate` call of DFlash 2's own loop spends its wall time: prefill, rounds, host reads, finishing.
 
-    python -m dflash2.benchmarks.profile_call --device cuda [--compile] --out runs/profile-call.json
+    python -m dflash2.lab.profile_call --device cuda [--compile] --out runs/profile-call.json
 
 After two warm-up calls, each prompt's call is timed whole and in parts (the prefill and `finish` are wrapped with
 device synchronisations; the rest of the call is the rounds and the host reads). The round's replay time comes from
@@ -19,7 +19,8 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.bench import synchronize
-    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair, write_report
+    from dflash2.benchmarks.common import command_line, write_report
+    from dflash2.pairs import add_model_arguments, load_pair
     from dflash2.generation import decode
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -41,7 +42,7 @@ def main(argv=None):
                   cache_implementation="static", assistant_model=drafter, **({"compile": True} if args.compile else {}))
     for ids in encoded[:2]:
         target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+    runner = drafter.round_runners(batch=1)[-1]
     core = runner.core
 
     parts = {}
@@ -95,7 +96,7 @@ def main(argv=None):
     table_device = profiler.key_averages().table(
         sort_by="cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=25)
     print(table_cpu, table_device, sep="\n")
-    report = {"command": command_line("dflash2.benchmarks.profile_call", argv), "round_kind": runner.kind,
+    report = {"command": command_line("dflash2.lab.profile_call", argv), "round_kind": runner.kind,
               "replay_ms": round(replay * 1e3, 3), "capacity": core.capacity, "calls": rows,
               "profile_cpu_top": table_cpu, "profile_device_top": table_device}
     write_report(report, args.out)

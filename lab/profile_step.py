@@ -1,6 +1,6 @@
 """Split one DFlash 2 round into its parts: target verification, drafter pass, selection, and loop overhead.
 
-    python -m dflash2.benchmarks.profile_step [--drafter DIR] [--context 512] [--repeats 30]
+    python -m dflash2.lab.profile_step [--drafter DIR] [--context 512] [--repeats 30]
 
 Prints median times and the bound they imply: speedup <= tau * t_plain_step / (t_verify + t_draft + t_select).
 """
@@ -121,7 +121,7 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                   compile=compile)
     target.generate(ids, **kwargs)  # builds the round core and captures (compiles) its round
-    runner = next(r for r in drafter._round_cores.values() if r.core.batch == 1)
+    runner = drafter.round_runners(batch=1)[-1]
     core = runner.core
     # a call that stops after its first round: prefill and set-up, to take out of the measured per-round time
     _, first_total, _ = timed_generate(target, ids, {**kwargs, "max_new_tokens": 2}, device)
@@ -190,7 +190,7 @@ def profile_static(target, tokenizer, drafter, prompt: str, repeats: int, max_ne
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, load_pair
+    from dflash2.pairs import add_model_arguments, load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)

@@ -1,6 +1,6 @@
 """Target sharded over the GPUs with `device_map`, drafter on one: greedy equality (fp32) and timings.
 
-    python -m dflash2.benchmarks.device_map_check [--drafter DIR] [--num-prompts 4] [--max-new-tokens 64]
+    python -m dflash2.lab.device_map_check [--drafter DIR] [--num-prompts 4] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv=None):
 
     from dflash2.benchmarks.bench import synchronize
     from dflash2.tasks import task_prompts
-    from dflash2.benchmarks.common import DEFAULT_DRAFTER
+    from dflash2.pairs import DEFAULT_DRAFTER
     from dflash2.generation import resolve_target_location
     from dflash2.tasks import chat_prompt_ids
     from dflash2.modeling_dflash2 import DFlash2DraftModel

@@ -1,0 +1,73 @@
+"""The plain decoding loop of the benchmarks (benchmarks/plain_graph.py), run eagerly on the CPU: its tokens equal
+`generate(do_sample=False)`'s, with and without EOS inside, at several prompt lengths and for a batch."""
+
+import random
+
+import pytest
+import torch
+
+from dflash2.benchmarks.plain_graph import PlainGraphLoop, plain_graph_generate, time_forward
+from helpers import VOCAB, tiny_target
+
+
+def plain(target, ids, max_new_tokens, eos):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                           do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_loop_equals_plain_greedy_with_and_without_eos(arch):
+    target = tiny_target(arch, seed=4)
+    rng = random.Random(arch)
+    ended_early, stops = 0, set()
+    for length in (1, 6, 23):
+        ids = torch.tensor([[rng.randrange(4, VOCAB) for _ in range(length)]])
+        free = plain(target, ids, 30, None)
+        eos = int(free[0, length + rng.randrange(2, 12)])  # a token greedy emits early: the call ends there
+        stops.add(eos)
+        for stop in (None, eos):
+            reference = plain(target, ids, 30, stop)
+            out = plain_graph_generate(target, ids, 30, eos_token_id=stop, pad_token_id=0)
+            assert torch.equal(out, reference), (length, stop)
+            ended_early += reference.shape[1] < length + 30
+    assert ended_early == 3  # every EOS case ended inside the 30 tokens (and the loop stopped with it)
+    assert len(target.plain_graph_loops) == 1 + len(stops)  # a loop per EOS setting, reused across prompts
+
+
+def test_batch_rows_stop_at_their_own_eos_and_are_padded():
+    target = tiny_target("llama", seed=5)
+    ids = torch.tensor([[5, 9, 14, 20], [20, 7, 31, 40]])
+    free = plain(target, ids, 20, None)
+    eos = int(free[1, 4 + 3])  # the second row emits it early
+    reference = plain(target, ids, 20, eos)
+    loop = PlainGraphLoop(target, batch=2, capacity=64, eos_token_ids=[eos], check_every=3)
+    assert loop.kind == "eager"
+    assert torch.equal(loop.generate(ids, 20, pad_token_id=0), reference)
+    with pytest.raises(ValueError, match="do not fit"):
+        loop.generate(ids, 60)
+
+
+def test_time_forward_replays_the_same_columns():
+    target = tiny_target("qwen3", seed=6)
+    for tokens in (1, 16):
+        assert time_forward(target, tokens, context=12, replays=3) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["graph", "fused-graph"])
+def test_captured_loop_equals_plain_greedy_on_the_gpu(compile):
+    """The step captured as a CUDA graph (fused by inductor first with compile=True) equals plain greedy in fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for arch in ("llama", "qwen3"):
+        target = tiny_target(arch, seed=7).cuda()
+        rng = random.Random(arch)
+        for length in (1, 9, 40):
+            ids = torch.randint(4, VOCAB, (1, length), device="cuda")
+            free = plain(target, ids, 60, None)
+            eos = int(free[0, length + rng.randrange(5, 40)])
+            for stop in (None, eos):
+                out = plain_graph_generate(target, ids, 60, eos_token_id=stop, pad_token_id=0, compile=compile)
+                assert torch.equal(out, plain(target, ids, 60, stop)), (arch, length, stop)
+        assert {loop.kind for loop in target.plain_graph_loops.values()} == {
+            "graph (fused)" if compile else "graph (eager kernels)"}
+        assert time_forward(target, 16, context=40) > 0

@@ -1,0 +1,20 @@
+"""The round profiler (lab/round_profile.py) on tiny shapes on the CPU: it runs and times every part."""
+
+import json
+
+from dflash2.lab.round_profile import main
+
+PARTS = ["round", "drafter forward", "LM head + top-k", "pair scores", "selector walk", "verify forward",
+         "greedy accept", "bookkeeping", "sum of parts", "target step (1 token)", "target forward (16 tokens)"]
+
+
+def test_smoke_reports_every_part_at_both_shapes(tmp_path):
+    out = tmp_path / "round.json"
+    report = main(["--smoke", "--shape", "smollm2-135m,qwen3-8b", "--block-size", "8", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    for shape in ("smollm2-135m", "qwen3-8b"):
+        result = report["shapes"][shape]
+        assert list(result["ms"]) == PARTS
+        assert all(value > 0 for value in result["ms"].values()), result["ms"]
+        assert result["block_size"] == 8 and not result["captured"]
+        assert result["round_over_verify16"] > 0

@@ -1,0 +1,64 @@
+"""The public runtime API of DFlash 2's own loop: which runners a drafter holds and how their rounds run, release and
+detach freeing their buffers and graphs, and the bound on how many runners a drafter keeps."""
+
+import gc
+import weakref
+
+import torch
+
+from dflash2.generation import attached_drafter
+from dflash2.generation.decode import MAX_RUNNERS
+from helpers import VOCAB, tiny_drafter, tiny_target
+
+
+def static_call(target, drafter, **settings):
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    reference = target.generate(ids, max_new_tokens=10, do_sample=False, **settings)
+    out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter,
+                          cache_implementation="static", compile=False, **settings)
+    assert torch.equal(out, reference)
+
+
+def buffers_of(drafter) -> list:
+    """Weak references to every runner's buffers: the target's and the drafter's caches and the round state."""
+    refs = []
+    for runner in drafter.round_runners():
+        core = runner.core
+        caches = [*core.target_cache.keys, *core.target_cache.values, *core.draft_cache.keys, *core.draft_cache.values]
+        refs += [weakref.ref(t) for t in (*caches, core.output, core.features, core.prompt_logits)]
+    return refs
+
+
+def test_release_and_detach_free_the_runtime_buffers():
+    target = tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, seed=4, block_size=4).attach(target)
+    static_call(target, drafter)
+    (runner,) = drafter.round_runners(batch=1)
+    assert runner.kind == "eager" and drafter.round_kind(1) == "eager" and drafter.round_kind(2) is None
+    refs = buffers_of(drafter)
+    assert len(refs) > 6 and all(ref() is not None for ref in refs)
+    del runner
+    drafter.release()
+    gc.collect()
+    assert drafter.round_runners() == [] and all(ref() is None for ref in refs)
+
+    static_call(target, drafter)  # builds what it needs again
+    refs = buffers_of(drafter)
+    assert refs and attached_drafter(target) is drafter and drafter.is_bound_to(target)
+    drafter.detach(target)
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert drafter.round_runners() == [] and attached_drafter(target) is None and not drafter.is_bound_to(target)
+
+
+def test_a_drafter_keeps_a_bounded_number_of_runners():
+    """Each sampling setting (here: each set of EOS tokens) has its own runner; the least recently used go first."""
+    target = tiny_target("llama", seed=5)
+    drafter = tiny_drafter(target, seed=6, block_size=4).attach(target)
+    for eos in range(10, 10 + MAX_RUNNERS + 2):
+        static_call(target, drafter, eos_token_id=eos)
+    runners = drafter.round_runners()
+    assert len(runners) == MAX_RUNNERS
+    assert [int(r.core.eos[0]) for r in runners] == list(range(12, 10 + MAX_RUNNERS + 2))
+    static_call(target, drafter, eos_token_id=12)  # used again: now the most recent
+    assert int(drafter.round_runners()[-1].core.eos[0]) == 12
