@@ -11,7 +11,10 @@ row that finished earlier freezes on the device, so the output is exact whatever
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .background import BackgroundFusion
 from .graphs import RoundRunner
@@ -32,11 +35,18 @@ CUDA_CAPACITY_STEP = 8192
 
 
 def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
-                      compile: bool | str | None = None, generator: torch.Generator | None = None):
-    """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate."""
+                      compile: bool | str | None = None, generator: torch.Generator | None = None,
+                      past_key_values=None):
+    """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate, or
+    with `generation_config.return_dict_in_generate` an output whose `past_key_values` (a `LoopCache`) continues the
+    conversation: passed back with the whole conversation's ids, the next turn encodes only what follows."""
     batch, length = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                         f"{tuple(input_ids.shape)}. With the cache of an earlier turn, pass the whole conversation's "
+                         "ids and their mask: the cached part is not encoded again.")
     check_left_padded(attention_mask)
     if streamer is not None and batch > 1:
         raise ValueError("Streaming shows one sequence; pass a streamer with a single prompt.")
@@ -57,7 +67,10 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
     core = runner.core
-    runner.prefill(input_ids, attention_mask, max_new_tokens, generator)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids[:batch], attention_mask[:batch])]
+    keep = held_prefix(past_key_values, core, rows)
+    if keep is None or not core.resume(rows, keep, max_new_tokens, generator):
+        runner.prefill(input_ids, attention_mask, max_new_tokens, generator)
     if runner.fusion is not None:
         runner.fusion.poll(runner)  # switches to the fused round once its package is built
     if bucket > batch:
@@ -67,7 +80,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     streamed = 0
     remaining = max_new_tokens - 1
     while True:
-        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size))
+        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size)) if remaining else 0
         for _ in range(rounds):
             if sampling.do_sample:
                 core.draw_noise(generator)
@@ -88,7 +101,35 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
         remaining = min(max_new_tokens - n for n, d in zip(lengths, done) if not d)
     if streamer is not None:
         streamer.end()
-    return finish(core, drafter, input_ids[:batch], batch, max_new_tokens, eos, pad)
+    sequences = finish(core, drafter, input_ids[:batch], batch, max_new_tokens, eos, pad)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=LoopCache(core, core.held_tokens(rows)))
+
+
+class LoopCache:
+    """The `past_key_values` DFlash 2's own loop returns: per row, the tokens whose target keys and drafter context its
+    buffers hold. Valid while no other request ran on the same buffers; else the next turn encodes everything."""
+
+    def __init__(self, core: RoundCore, rows: list[list[int]]):
+        self.core, self.serial, self.rows = weakref.ref(core), core.serial, rows
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return min(len(row) for row in self.rows)
+
+
+def held_prefix(cache, core: RoundCore, rows: list[list[int]]) -> list[int] | None:
+    """Per row, how many leading tokens of `rows` the buffers of `core` still hold from the earlier turn `cache` (the
+    newest token is always encoded); None when `cache` is not the latest turn on these buffers."""
+    if not isinstance(cache, LoopCache) or cache.core() is not core or cache.serial != core.serial:
+        return None
+    if len(cache.rows) != len(rows):
+        return None
+    keep = []
+    for held, ids in zip(cache.rows, rows):
+        limit = min(len(held), len(ids) - 1)
+        keep.append(next((i for i in range(limit) if held[i] != ids[i]), limit))
+    return keep
 
 
 def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int, eos, pad: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from .candidate_generator import DFlash2CandidateGenerator
-from .decode import own_loop_generate, release_runners
+from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
+from .decode import LoopCache, own_loop_generate, release_runners
 from .stats import DFlash2Stats
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
@@ -47,7 +47,8 @@ def attach(drafter, target, use_by_default: bool = False):
     def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, *args, **kwargs):
         if is_dflash2_drafter(assistant_model) and getattr(generation_config, "speculation_type", None) != "dflash":
-            return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids)
+            return DFlash2CandidateGenerator(assistant_model, generation_config, logits_processor, input_ids,
+                                             model_kwargs)
         generator = original_get_candidate_generator(
             generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
             logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
@@ -69,6 +70,15 @@ def attach(drafter, target, use_by_default: bool = False):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
                 return _own_loop(target, args, kwargs)
+            elif isinstance(kwargs.get("past_key_values", kwargs.get("cache")), LoopCache):
+                raise ValueError(
+                    "This cache comes from DFlash 2's own loop (a batch, or cache_implementation='static'), which "
+                    "keeps it in its own buffers; one prompt without cache_implementation='static' runs transformers' "
+                    "assisted loop, which cannot read it. Continue the conversation with the same settings as the "
+                    "turn that returned the cache.")
+            elif kwargs.get("speculation_type") != "dflash":
+                with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
+                    return original_generate(*args, **kwargs)
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
@@ -102,8 +112,10 @@ def detach(target):
 # ------------------------------------------------------------------------------------------------ dispatch
 def _own_loop(target, args, kwargs):
     """A batch, or one prompt with cache_implementation='static': DFlash 2's own fixed-buffer loop."""
+    cache = kwargs.pop("past_key_values", kwargs.pop("cache", None))
     drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
-    return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag)
+    return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag,
+                             past_key_values=cache)
 
 
 def _split_generate_call(target, args, kwargs):

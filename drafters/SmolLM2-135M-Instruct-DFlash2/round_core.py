@@ -104,6 +104,7 @@ class RoundCore:
         self.target_window = text.sliding_window if "sliding_attention" in layer_types else None
         self.target_cache = ColumnCache(text.num_hidden_layers, capacity, append_unwritten=False)
         self.draft_cache = ColumnCache(config.num_hidden_layers, capacity, append_unwritten=True)
+        self.serial = 0  # requests prefilled so far: what the buffers hold belongs to the latest
 
         block, long = self.block_size, dict(dtype=torch.long, device=device)
         self.columns = torch.arange(capacity, **long)  # [capacity]
@@ -233,6 +234,41 @@ class RoundCore:
         else:
             self.encode_prompt(width, staged)
         self.start_decoding(width, max_new_tokens, generator)
+        self.serial += 1
+
+    @torch.no_grad()
+    def resume(self, rows: list[list[int]], keep: list[int], max_new_tokens: int, generator=None) -> bool:
+        """`prefill` for a later turn of the last request: rows[r] is row r's whole conversation (no padding), of which
+        the buffers still hold the first keep[r] positions. Encodes only what follows, at least a block per row (each
+        row's ids end at its own column; the re-encoded tail of what it holds gets the same keys and features), eagerly.
+        Returns False, changing nothing, when the rows do not fit the buffers' columns (then `prefill` them anew)."""
+        batch, device = self.batch, self.device
+        lengths = [len(ids) for ids in rows]
+        width = max([self.block_size] + [n - k for n, k in zip(lengths, keep)])
+        first = self.first_column.tolist()
+        shift = [f + n - width for f, n in zip(first, lengths)] + [0] * (batch - len(rows))  # empty rows: 0
+        if min(shift) < 0 or max(shift) + width + max_new_tokens + self.block_size > self.capacity:
+            return False
+        staged = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for row, ids in enumerate(rows):
+            tail = ids[-width:]
+            staged[row, width - len(tail):] = torch.tensor(tail, dtype=torch.long, device=device)
+        self.first_column[len(rows):] = width  # an empty row: every column is padding
+        shift = torch.tensor(shift, dtype=torch.long, device=device)
+        self.encode_prompt(width, staged, shift)
+        self.start_decoding(width, max_new_tokens, generator, shift)
+        self.serial += 1
+        return True
+
+    def held_tokens(self, rows: list[list[int]]) -> list[list[int]]:
+        """After decoding `rows` (each row's prompt, no padding): per row, the tokens of the positions whose keys and
+        drafter context the buffers hold (all but the last block's drafter context; a frozen row's up to its end)."""
+        batch = len(rows)
+        held = torch.minimum(self.context_columns[:, 0], self.start) - self.first_column
+        held = held.clamp(min=0)[:batch].tolist()
+        lengths = self.output_length[:batch].tolist()
+        return [(ids + emitted[:n])[:count]
+                for ids, emitted, n, count in zip(rows, self.output[:batch].tolist(), lengths, held)]
 
     def prefill_width(self, length: int) -> int:
         """Columns the prompt is left-padded to: at least a block; with `bucketed_prefill`, the next prefill bucket."""
@@ -254,14 +290,18 @@ class RoundCore:
         return width, staged
 
     @torch.no_grad()
-    def encode_prompt(self, width: int, staged: torch.Tensor | None = None) -> None:
+    def encode_prompt(self, width: int, staged: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> None:
         """The staged prompt's columns 0 .. width-1 through the target (in chunks) and into the drafter's context;
         writes `prompt_logits` [b, V] (the last column's) and `prompt_features` [b, B, taps*H] (the last block's).
+        `shift` [b] (a later turn, `resume`): row r's staged column c goes to buffer column shift[r] + c.
         Reads and writes fixed buffers only, so one graph per width can be captured from it."""
         batch, first = self.batch, self.first_column.view(-1, 1)
         staged = self.prompt_ids if staged is None else staged
+        recent = None  # features of the last block of columns, which may span two chunks
         for begin in range(0, width, PREFILL_CHUNK):
             columns = self.columns[begin: min(begin + PREFILL_CHUNK, width)].expand(batch, -1)
+            if shift is not None:
+                columns = columns + shift.view(-1, 1)
             self.target_cache.set_write_columns(columns)
             out = self.target(input_ids=staged[:, begin: begin + columns.shape[1]],
                               position_ids=(columns - first).clamp(min=0), attention_mask=self.target_masks(columns),
@@ -269,11 +309,14 @@ class RoundCore:
                               **{self.cache_keyword: self.target_cache})
             features = tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
             self.store_context(features, columns)
+            recent = features if recent is None else torch.cat([recent, features], dim=1)[:, -self.block_size:]
         self.prompt_logits.copy_(out.logits[:, -1])
-        self.prompt_features.copy_(features[:, -self.block_size:])
+        self.prompt_features.copy_(recent[:, -self.block_size:])
 
-    def start_decoding(self, width: int, max_new_tokens: int, generator=None) -> None:
-        """Each row's first token from the prompt's logits, and the state the first round starts from."""
+    def start_decoding(self, width: int, max_new_tokens: int, generator=None,
+                       shift: torch.Tensor | None = None) -> None:
+        """Each row's first token from the prompt's logits, and the state the first round starts from (`shift` as in
+        `encode_prompt`)."""
         block, batch = self.block_size, self.batch
         token = first_token(self.prompt_logits, self.sampling, generator)
         # the prompt's last block is stored again by the first round: same values, same columns
@@ -281,6 +324,9 @@ class RoundCore:
         self.features.copy_(self.prompt_features)
         self.anchor.copy_(token)
         self.start.fill_(width)
+        if shift is not None:
+            self.context_columns.add_(shift.view(-1, 1))
+            self.start.add_(shift)
         self.output[:, 0] = token
         self.output_length.fill_(1)
         self.max_new_tokens.fill_(max_new_tokens)
