@@ -62,7 +62,7 @@ def profile(target, tokenizer, drafter, prompt: str, context: int, repeats: int,
     def draft():
         generator.draft_block(prefix[:, -1], features)
         generator.cache.crop(-features.shape[1])
-        generator.context_length -= features.shape[1]
+        generator.context.length -= features.shape[1]
 
     hidden = generator.draft_block(prefix[:, -1], features)
 

@@ -16,6 +16,7 @@ lacks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -230,6 +231,7 @@ def encode_only_uncached(target):
     own = target.__dict__.get("prepare_inputs_for_generation")
     prepare = target.prepare_inputs_for_generation
 
+    @functools.wraps(prepare)  # its signature too: transformers checks generate's kwargs against it
     def prepare_inputs_for_generation(input_ids, *args, next_sequence_length=None, is_first_iteration=False, **kwargs):
         cache = target_cache_of(kwargs)
         if is_first_iteration and next_sequence_length is None and cache is not None:
