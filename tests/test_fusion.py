@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="inductor on a CPU needs a C++ compiler")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings,bucketed", [(dict(do_sample=False), True),
                                               (dict(do_sample=True, temperature=0.8, top_p=0.9), False)],
                          ids=["greedy-bucketed-prefill", "sampled"])
@@ -76,6 +77,7 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
@@ -118,6 +120,7 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     assert len(list(tmp_path.rglob("*.round"))) == 1
 
 
+@pytest.mark.slow
 def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
     """A script that makes one call and exits before the child is done: the child still builds and publishes the round
     (and removes its scratch folder), and the next process uses it from its first call."""
@@ -182,6 +185,7 @@ def failed_first_build(tmp_path, monkeypatch, hook: str, seed: int, tokens: int)
     return target, drafter
 
 
+@pytest.mark.slow
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
     """On the H200 (torch 2.11, CUDA) loading an AOTInductor package crashed the loading process. The child loads and
     checks its round before publishing it: here that load is made to crash (a segmentation fault). The caller warns
@@ -304,6 +308,7 @@ def test_two_processes_starting_together_build_once(tmp_path):
     assert all("\nbuilt " in "\n" + log or "another process built" in log for log in logs), logs
 
 
+@pytest.mark.slow
 def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
     """Left-padded rows of different lengths: the package of the batch bucket's round takes over, and each row still
     equals plain greedy of that row alone."""
@@ -328,6 +333,7 @@ def test_background_fusion_of_a_batched_round(tmp_path, monkeypatch):
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
 
 
+@pytest.mark.slow
 def test_background_fusion_with_a_sliding_window_drafter(tmp_path, monkeypatch):
     """The published DFlash 2 drafters mix sliding-window and full layers: their round compiles ahead of time too."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))

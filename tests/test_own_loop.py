@@ -335,6 +335,7 @@ def test_speculative_accept_matches_naive_loop():
         assert (int(accepted), int(next_token)) == want
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.85)])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0),
+                                      pytest.param(dict(temperature=0.7, top_p=0.85), marks=pytest.mark.slow)])
 def test_static_sampling_reproduces_the_target_distribution(settings):
     check_sampling_is_exact(settings, draws=1200, cache_implementation="static")

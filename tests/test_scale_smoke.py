@@ -3,11 +3,14 @@ the JSON report carries what the GPU runs will be read for."""
 
 import json
 
+import pytest
+
 from dflash2.lab.scale import DEFAULT_METHODS, PUBLISHED_TAU, main
 
 SPECULATIVE = {"assisted", "graph", "batched"}
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_field(tmp_path):
     out = tmp_path / "scale.json"
     returned = main(["--smoke", "--parts", "8b,8b-long,32b,lossless", "--out", str(out)])

@@ -14,6 +14,7 @@ from helpers import tiny_target
 SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
 
 
+@pytest.mark.slow
 def test_the_second_load_reads_the_converted_folder_with_the_same_weights_and_tokenizer(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM

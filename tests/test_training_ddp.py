@@ -3,6 +3,8 @@ CPU), against one process: a tiny random target saved as a folder, the `dflash2 
 
 import json
 
+import pytest
+
 import torch
 from safetensors.torch import load_file
 
@@ -42,6 +44,7 @@ def _train_in_process(args):
     return run(build_parser().parse_args(args))
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_train_like_one_process_with_their_global_batch(tmp_path):
     """2 processes x 2 sequences == 1 process x 4 sequences per step (the same global batches, anchors and
     normalisation), also when the 2-process run is cut into two torchrun jobs (--job-steps 3, then --resume). Process 0
@@ -89,6 +92,7 @@ def test_torchrun_two_processes_train_like_one_process_with_their_global_batch(t
     assert _max_difference(exported.state_dict(), _weights(two)) == 0.0
 
 
+@pytest.mark.slow
 def test_torchrun_self_distillation_shards_and_merges_in_prompt_order(tmp_path):
     """2 processes answer every other prompt (greedy and sampled each, conversations among them); process 0 merges the
     shards into one file ordered by (prompt, greedy first), whose greedy answers are one process's answers."""
