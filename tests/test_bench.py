@@ -2,7 +2,6 @@
 
 import json
 
-
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
 
