@@ -8,8 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from dflash2.pairs import add_model_arguments, load_pair  # noqa: F401 - the benchmarks take them from here too
-
 
 def write_report(report: dict, out) -> None:
     """A benchmark's JSON report at `out` (folders made as needed); nothing when `out` is None."""

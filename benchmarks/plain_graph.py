@@ -141,6 +141,20 @@ def plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eo
     return loops[key].generate(input_ids, max_new_tokens, pad)
 
 
+def timed_plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                                pad_token_id: int | None = None, compile: bool = False):
+    """`plain_graph_generate` timed as a user waits for it: (output [b, P + new], wall seconds, the device synchronised
+    before and after)."""
+    device = input_ids.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    out = plain_graph_generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, compile)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - started
+
+
 def forget_plain_graph_loops(model) -> None:
     """Drop the loops (their caches and graphs) kept on `model`."""
     model.__dict__.pop("plain_graph_loops", None)

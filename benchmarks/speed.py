@@ -67,7 +67,9 @@ def summary(times, tokens):
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import add_model_arguments, command_line, load_pair
+    from dflash2.benchmarks.common import command_line
+    from dflash2.pairs import add_model_arguments, load_pair
+    from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +133,10 @@ def main(argv=None):
 
     def call(method, ids, **extra):
         if method == "plain-graph":
-            out, seconds = timed_plain_graph(target, ids, device, args.plain_graph_compile, **{**common, **extra})
+            settings = {**common, **extra}
+            out, seconds = timed_plain_graph_generate(target, ids, settings["max_new_tokens"],
+                                                      target.generation_config.eos_token_id, settings["pad_token_id"],
+                                                      args.plain_graph_compile)
             return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
                                                      **methods[method], **extra})
@@ -195,8 +200,9 @@ def main(argv=None):
         entry.update(against_plain_graph(entry))
         entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
-        print(task, json.dumps({m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
-                                for m, e in entry.items()}), flush=True)
+        shown = {m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
+                 for m, e in entry.items()}
+        print(task, json.dumps(shown), flush=True)
     results["steady"] = steady
     save(results, args.out)
 
@@ -214,21 +220,6 @@ def main(argv=None):
 
 def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
-
-
-def timed_plain_graph(target, ids, device, compile: bool, max_new_tokens: int, pad_token_id: int,
-                      eos_token_id=-1, do_sample: bool = False):
-    """One call of the plain CUDA-graph loop (greedy): output [1, P + new] and wall seconds. eos_token_id -1: the
-    target's generation config's, as `generate` takes it."""
-    from dflash2.benchmarks.plain_graph import plain_graph_generate
-
-    eos = target.generation_config.eos_token_id if eos_token_id == -1 else eos_token_id
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    started = time.perf_counter()
-    out = plain_graph_generate(target, ids, max_new_tokens, eos_token_id=eos, pad_token_id=pad_token_id,
-                               compile=compile)
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    return out, time.perf_counter() - started
 
 
 def by_category(entry: dict, categories: list[str]) -> dict:
@@ -304,7 +295,7 @@ def round_against_target_forwards(target, context: int, round_ms: float) -> dict
 
 def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
     """Prompts of distinct token lengths, a fixed number of new tokens (EOS ignored), batch 1 and 8."""
-    from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
+    from dflash2.tasks import chat_prompt_ids, task_prompts
 
     pool = [ids for items in encoded.values() for ids in items]
     pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)

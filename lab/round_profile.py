@@ -31,8 +31,6 @@ On a CPU the parts run as plain calls (a smoke test of the code, not a measureme
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
