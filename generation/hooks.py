@@ -66,17 +66,18 @@ def attach(drafter, target, use_by_default: bool = False):
         if is_dflash2_drafter(drafter_in_call):
             check_request(target, drafter_in_call, args, kwargs)
             batch = _batch_size(args, kwargs)
+            earlier_cache = kwargs.get("past_key_values", kwargs.get("cache"))  # a conversation's earlier turn
             if batch > 1 and not speculation_pays_at(drafter_in_call, batch, target.device.type):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
                 return _own_loop(target, args, kwargs)
-            elif isinstance(kwargs.get("past_key_values", kwargs.get("cache")), LoopCache):
+            elif isinstance(earlier_cache, LoopCache):
                 raise ValueError(
                     "This cache comes from DFlash 2's own loop (a batch, or cache_implementation='static'), which "
                     "keeps it in its own buffers; one prompt without cache_implementation='static' runs transformers' "
                     "assisted loop, which cannot read it. Continue the conversation with the same settings as the "
                     "turn that returned the cache.")
-            elif kwargs.get("speculation_type") != "dflash":
+            elif earlier_cache is not None and kwargs.get("speculation_type") != "dflash":
                 with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
                     return original_generate(*args, **kwargs)
         return original_generate(*args, **kwargs)
