@@ -11,10 +11,12 @@ Reports, in one process on one machine:
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
 - the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
   the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
-Methods (`--methods`): `dflash2`, `plain` (compiled `generate` with a static cache) and `plain-graph`, the expert
-baseline: a plain greedy loop with the step captured as a CUDA graph, no `generate`, no host read per token
-(`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor first). Steady-state speedups are
-reported against every baseline in the run.
+Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (greedy rounds that
+verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `plain` (compiled `generate` with a
+static cache) and `plain-graph`, the expert baseline: a plain greedy loop with the step captured as a CUDA graph, no
+`generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
+first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
+tau and tokens/s over the path's.
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -87,6 +89,8 @@ def main(argv=None):
                              "(generation/fusion.py)")
     fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
                         "round's kernels (on a CPU: the eager round)")
+    parser.add_argument("--tree-nodes", type=int, default=32, help="nodes of the tree the `dflash2-tree` method "
+                        "verifies (default 32)")
     parser.add_argument("--plain-graph-compile", action="store_true",
                         help="plain-graph: compile the step with inductor before capturing it")
     parser.add_argument("--methods", default="dflash2,plain",
@@ -124,6 +128,8 @@ def main(argv=None):
                                **({"compile": True} if args.compile else {}),
                                **({"compile": "background"} if args.background_fusion else {}),
                                **({"compile": False} if args.no_fusion else {}))}
+    methods["dflash2-path"] = dict(methods["dflash2"], tree_nodes=0)
+    methods["dflash2-tree"] = dict(methods["dflash2"], tree_nodes=args.tree_nodes)
     results = {"settings": {"command": command_line("dflash2.benchmarks.speed", argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
@@ -140,7 +146,7 @@ def main(argv=None):
             return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
                                                      **methods[method], **extra})
-        stats = drafter.last_stats if method == "dflash2" else None
+        stats = drafter.last_stats if is_dflash2(method) else None
         return out, seconds, out.shape[1] - ids.shape[1], stats
 
     # ---- cold start and first pass, one method after the other: the first call of each in this process (prompt 0
@@ -179,25 +185,26 @@ def main(argv=None):
     steady = {}
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
-        forwards, agree = 0, 0
+        agree = 0
         for ids in items:
             outs = {}
             for method in selected:
                 outs[method], s, tokens, stats = call(method, ids)
                 rows[method].append((s, tokens, new_ids(outs[method], ids),
                                      stats.target_forwards if stats is not None else None))
-                forwards += stats.target_forwards if stats is not None else 0
             agree += int("dflash2" in outs and "plain" in outs and torch.equal(outs["dflash2"], outs["plain"]))
         entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs],
                           "per_prompt": [{"s": round(r[0], 4), "tokens": r[1], "target_forwards": r[3]}
                                          for r in runs]}
                  for method, runs in rows.items()}
-        if "dflash2" in entry:
-            entry["dflash2"]["tau"] = round(entry["dflash2"]["tokens"] / forwards, 3)
+        for method, runs in rows.items():
+            if is_dflash2(method):
+                entry[method]["tau"] = round(sum(r[1] for r in runs) / sum(r[3] for r in runs), 3)
         if "dflash2" in entry and "plain" in entry:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         entry.update(against_plain_graph(entry))
+        entry.update(tree_over_path(entry))
         entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
         shown = {m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
@@ -222,8 +229,13 @@ def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def is_dflash2(method: str) -> bool:
+    return method.startswith("dflash2")
+
+
 def by_category(entry: dict, categories: list[str]) -> dict:
-    """Per prompt category: each method's tokens/s, DFlash 2's tau, and its speedup over every other method."""
+    """Per prompt category: each method's tokens/s, each DFlash 2 method's tau (`tau` for `dflash2`, `tau_<method>`
+    for the others) and its speedup over every baseline, and the tree's tau and tokens/s over the path's."""
     methods = [m for m in entry if isinstance(entry[m], dict) and "per_prompt" in entry[m]]
     table = {}
     for category in dict.fromkeys(categories):
@@ -232,13 +244,28 @@ def by_category(entry: dict, categories: list[str]) -> dict:
         for method in methods:
             runs = [entry[method]["per_prompt"][i] for i in picked]
             row[method] = round(sum(r["tokens"] for r in runs) / sum(r["s"] for r in runs), 2)
-            if method == "dflash2":
-                row["tau"] = round(sum(r["tokens"] for r in runs) / sum(r["target_forwards"] for r in runs), 3)
-        for method in methods:
-            if method != "dflash2" and "dflash2" in row:
-                row[f"speedup_vs_{method}"] = round(row["dflash2"] / row[method], 3)
+            if is_dflash2(method):
+                tau = round(sum(r["tokens"] for r in runs) / sum(r["target_forwards"] for r in runs), 3)
+                row["tau" if method == "dflash2" else f"tau_{method}"] = tau
+        for ours in filter(is_dflash2, methods):
+            for method in methods:
+                if not is_dflash2(method):
+                    name = "speedup" if ours == "dflash2" else f"{ours}_speedup"
+                    row[f"{name}_vs_{method}"] = round(row[ours] / row[method], 3)
+        if "dflash2-tree" in row and "dflash2-path" in row:
+            row["tree_over_path_tau"] = round(row["tau_dflash2-tree"] / row["tau_dflash2-path"], 3)
+            row["tree_over_path_tokens_per_s"] = round(row["dflash2-tree"] / row["dflash2-path"], 3)
         table[category] = row
     return table
+
+
+def tree_over_path(entry: dict) -> dict:
+    """The tree's tau and tokens/s over the path's, same prompts, same run."""
+    if "dflash2-tree" not in entry or "dflash2-path" not in entry:
+        return {}
+    tree, path = entry["dflash2-tree"], entry["dflash2-path"]
+    return {"tree_over_path_tau": round(tree["tau"] / path["tau"], 3),
+            "tree_over_path_tokens_per_s": round(tree["tokens_per_s"] / path["tokens_per_s"], 3)}
 
 
 def against_plain_graph(entry: dict) -> dict:
@@ -247,8 +274,9 @@ def against_plain_graph(entry: dict) -> dict:
         return {}
     graph = entry["plain-graph"]
     extra = {}
-    if "dflash2" in entry:
-        extra["speedup_vs_plain_graph"] = round(entry["dflash2"]["tokens_per_s"] / graph["tokens_per_s"], 3)
+    for ours in filter(is_dflash2, entry):
+        name = "speedup_vs_plain_graph" if ours == "dflash2" else f"{ours}_speedup_vs_plain_graph"
+        extra[name] = round(entry[ours]["tokens_per_s"] / graph["tokens_per_s"], 3)
     if "plain" in entry:
         extra["plain_graph_vs_plain"] = round(graph["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
         same = sum(a == b for a, b in zip(graph.get("outputs", []), entry["plain"].get("outputs", [])))

@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 from .round_core import RoundCore
+from .tree import DraftTree
 
-PACKAGE_FORMAT = 4  # bump when what a package holds changes
+PACKAGE_FORMAT = 5  # bump when what a package holds changes
 
 
 def round_weights(target, drafter) -> dict:
@@ -161,7 +162,7 @@ def spec_of(core: RoundCore) -> dict:
         "drafter_config": drafter.config,
         "dtype": {"target": str(target.dtype), "drafter": str(drafter.dtype)},
         "device": str(core.device),
-        "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling,
+        "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling, "tree_nodes": core.tree_nodes,
         "eos": core.eos.tolist(), "bucketed_prefill": core.bucketed_prefill,
         "weights": weights_signature(target, drafter), "state": state_signature(core),
         "fusion_module": __name__,
@@ -178,7 +179,7 @@ def package_key(spec: dict) -> str:
     hardware = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if (
         device.type == "cuda") else "cpu"
     code = hashlib.sha256()  # the source of every module the round runs through, ours and the drafter's
-    modules = {RoundCore.__module__, __name__, *spec["code_modules"]}
+    modules = {RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
         code.update(name.encode() + Path(source).read_bytes())
@@ -234,7 +235,7 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
                            f"{first_differences(weights_signature(target, drafter), spec['weights'])}); its compiled "
                            "round would not take the caller's weights")
     core = RoundCore(target, drafter, spec["batch"], spec["capacity"], spec["sampling"], spec["eos"],
-                     bucketed_prefill=spec["bucketed_prefill"])
+                     bucketed_prefill=spec["bucketed_prefill"], tree_nodes=spec["tree_nodes"])
     ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
     core.prefill(ids, torch.ones_like(ids), 1)
     if state_signature(core) != spec["state"]:  # the guards of the compiled round would refuse the caller's state

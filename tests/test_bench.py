@@ -87,3 +87,19 @@ def test_speed_reports_each_prompt_category_from_its_own_prompts():
     assert (math["prompts"], math["dflash2"], math["plain-graph"], math["tau"]) == (2, 25.0, 8.33, 3.333)
     assert math["speedup_vs_plain-graph"] == round(25.0 / 8.33, 3)
     assert (table["writing"]["tau"], table["writing"]["speedup_vs_plain-graph"]) == (2.0, 1.0)
+
+
+def test_speed_reports_the_tree_beside_the_path_per_category():
+    from dflash2.benchmarks.speed import by_category, tree_over_path
+
+    runs = {"dflash2-path": [(1.0, 40, 20), (2.0, 60, 30)], "dflash2-tree": [(1.0, 44, 16), (1.5, 60, 20)],
+            "plain-graph": [(2.0, 40, None), (3.0, 60, None)]}
+    entry = {m: {"per_prompt": [{"s": s, "tokens": t, "target_forwards": f} for s, t, f in rows]}
+             for m, rows in runs.items()}
+    table = by_category(entry, ["code", "chat"])
+    code, chat = table["code"], table["chat"]
+    assert (code["tau_dflash2-path"], code["tau_dflash2-tree"]) == (2.0, 2.75)
+    assert code["tree_over_path_tau"] == round(2.75 / 2.0, 3) and code["tree_over_path_tokens_per_s"] == 1.1
+    assert chat["dflash2-tree_speedup_vs_plain-graph"] == round(40.0 / 20.0, 3)
+    whole = {"dflash2-path": {"tau": 2.0, "tokens_per_s": 100.0}, "dflash2-tree": {"tau": 2.5, "tokens_per_s": 90.0}}
+    assert tree_over_path(whole) == {"tree_over_path_tau": 1.25, "tree_over_path_tokens_per_s": 0.9}

@@ -352,6 +352,25 @@ def test_background_fusion_with_a_sliding_window_drafter(tmp_path, monkeypatch):
     assert runner.kind == "fused ahead of time"
 
 
+@pytest.mark.slow
+def test_background_fusion_of_a_tree_round(tmp_path, monkeypatch):
+    """A round that verifies a tree compiles ahead of time like the path round: the package of the tree's core takes
+    over, and greedy output still equals plain greedy."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tiny_target("llama", seed=11, vocab=16)
+    drafter = tiny_drafter(target, seed=12, block_size=4, selector_top_k=8).attach(target)
+    prompts = [torch.randint(4, 16, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 5)]
+    for attempt, ids in enumerate(prompts):
+        reference = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+        out = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, assistant_model=drafter,
+                              cache_implementation="static", compile="background", tree_nodes=9)
+        assert torch.equal(out, reference), attempt
+        (runner,) = drafter.round_runners()
+        if attempt == 0:
+            runner.fusion.wait(timeout=600)
+    assert runner.kind == "fused ahead of time" and runner.core.tree_nodes == 9
+
+
 def test_compile_takes_only_the_documented_values():
     target = tiny_target()
     drafter = tiny_drafter(target).attach(target)

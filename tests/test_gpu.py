@@ -80,9 +80,12 @@ def default_pair_fp32():
     return target, tokenizer, drafter, greedy, encoded, plain
 
 
-def test_graph_loop_equals_plain_greedy_on_the_default_target(default_pair_fp32):
-    """The graph loop of eager kernels (batch 1 and batch 4, left-padded) equals plain greedy token for token."""
+@pytest.mark.parametrize("tree_nodes", [0, 32], ids=["path", "tree-32"])
+def test_graph_loop_equals_plain_greedy_on_the_default_target(default_pair_fp32, tree_nodes):
+    """The graph loop of eager kernels (batch 1 and batch 4, left-padded) equals plain greedy token for token,
+    verifying a path or a tree."""
     target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
+    greedy = dict(greedy, tree_nodes=tree_nodes)
     graph, taus = [], []
     for ids in encoded:
         graph.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
@@ -101,7 +104,8 @@ def test_graph_loop_equals_plain_greedy_on_the_default_target(default_pair_fp32)
             want = plain[begin + row][0, x.shape[1]:].tolist()
             batched_equal += out[row, width: width + len(want)].tolist() == want
     equal = sum(map(torch.equal, graph, plain))
-    print(f"\n[gpu fp32] {len(encoded)} prompts, tau {sum(taus) / len(taus):.2f}; identical to plain greedy: graph loop "
+    print(f"\n[gpu fp32, tree_nodes={tree_nodes}] {len(encoded)} prompts, tau {sum(taus) / len(taus):.2f}; identical "
+          "to plain greedy: graph loop "
           f"batch 1 {equal}/{len(encoded)}, batch 4 {batched_equal}/{len(encoded)}")
     assert equal == len(encoded) and batched_equal == len(encoded)
 

@@ -57,7 +57,28 @@ def oracle(monkeypatch):
         proposal.tokens = torch.where((steps < usable.view(-1, 1)) & (truth >= 0), truth, drafts)
         return proposal
 
+    original_tree = RoundCore.draft_tree
+
+    def draft_tree(self, hidden):
+        """The truth planted along the root path of a node chosen per row and round, for 0 .. B-1 depths: the
+        accepted path is often a side branch."""
+        tree = original_tree(self, hidden)
+        reference = ORACLE.get((self.drafter.config.vocab_size, self.batch))
+        if reference is None:
+            return tree
+        nodes = tree.tokens.shape[1]
+        rows = torch.arange(self.batch, device=tree.tokens.device)
+        chosen = (self.output_length * 7 + self.rounds * 5 + rows) % nodes
+        usable = (self.output_length * 5 + self.rounds * 3 + rows) % self.block_size
+        on_path = tree.ancestors.gather(1, chosen.view(-1, 1, 1).expand(-1, 1, nodes)).squeeze(1)  # [b, N]
+        steps = (self.output_length.view(-1, 1) + tree.depth - 1).clamp(0, reference.shape[1] - 1)
+        truth = reference.gather(1, steps)  # [b, N]: the true token at each node's depth
+        plant = on_path & (tree.depth >= 1) & (tree.depth <= usable.view(-1, 1)) & (truth >= 0)
+        tree.tokens = torch.where(plant, truth, tree.tokens)
+        return tree
+
     monkeypatch.setattr(RoundCore, "propose", propose)
+    monkeypatch.setattr(RoundCore, "draft_tree", draft_tree)
     yield
     ORACLE.clear()
 
@@ -97,7 +118,7 @@ def expected(free_row, eos: int, max_new: int):
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device):
+def run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device, tree_nodes=0):
     """One generate call over the rows (left-padded); returns (rows equal to plain greedy, rows ending at EOS early,
     drafts accepted)."""
     width = max(len(prompts[r]) for r in rows)
@@ -115,7 +136,8 @@ def run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device
         reference[i, : len(want)] = torch.tensor(want, device=device)
     static = {"cache_implementation": "static"} if len(rows) == 1 else {}
     out = target.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0, assistant_model=drafter, compile=compile, **static)
+                          eos_token_id=eos, pad_token_id=0, assistant_model=drafter, compile=compile,
+                          tree_nodes=tree_nodes, **static)
     equal = early = 0
     for i, r in enumerate(rows):
         want = expected(free[r], eos, max_new)
@@ -144,9 +166,13 @@ def sweep(device, cases: int, modes, pool: int = POOL) -> dict:
         batch = rng.randint(1, min(8, pool)) if compile is False else rng.choice([1, 3, 4])  # fused: buckets 1, 4
         rows = rng.sample(range(pool), batch)
         max_new = rng.randint(2, MAX_NEW)
-        equal, early, accepted = run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device)
-        mode = report["per_mode"].setdefault("fused" if compile is True else "graph" if device.type == "cuda"
-                                             else "eager", {"cases": 0, "rows": 0, "rows_equal": 0})
+        # every other case verifies a tree of 2 x block nodes (fused: batch 1 only, one compile per pair)
+        tree_nodes = 2 * drafter.config.block_size if case % 2 and (compile is False or batch == 1) else 0
+        equal, early, accepted = run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device,
+                                          tree_nodes)
+        name = ("fused" if compile is True else "graph" if device.type == "cuda" else "eager") + (
+            " tree" if tree_nodes else "")
+        mode = report["per_mode"].setdefault(name, {"cases": 0, "rows": 0, "rows_equal": 0})
         for counts in (report, mode):
             counts["cases"] += 1
             counts["rows"] += batch
@@ -154,7 +180,7 @@ def sweep(device, cases: int, modes, pool: int = POOL) -> dict:
         report["rows_ending_at_eos"] += early
         report["drafts_accepted"] += accepted
         if equal < batch:
-            report["failures"].append({"case": case, "pair": index, "compile": compile, "rows": rows,
+            report["failures"].append({"case": case, "pair": index, "compile": compile, "tree_nodes": tree_nodes, "rows": rows,
                                        "max_new_tokens": max_new, "equal": equal})
     return report
 

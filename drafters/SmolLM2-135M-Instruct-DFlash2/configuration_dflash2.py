@@ -64,6 +64,21 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
 
 
+def most_tree_nodes(block_size: int, tree_width: int, top_k: int) -> int:
+    """The most nodes a tree can have: the root and, at each of the block_size - 1 depths, a beam of tree_width nodes
+    (at most top_k, the candidates of a row)."""
+    return 1 + (block_size - 1) * min(tree_width, top_k)
+
+
+def tree_nodes_problem(tree_nodes, config) -> str | None:
+    """Why `tree_nodes` does not suit this drafter's config, or None."""
+    most = most_tree_nodes(config.block_size, config.tree_width, config.selector_top_k)
+    if isinstance(tree_nodes, int) and (tree_nodes == 0 or 2 <= tree_nodes <= most):
+        return None
+    return (f"tree_nodes={tree_nodes!r}; use 0 (verify one path) or 2 .. {most} (the root and up to block_size - 1 = "
+            f"{config.block_size - 1} depths of tree_width = {min(config.tree_width, config.selector_top_k)} nodes).")
+
+
 class DFlash2Config(PretrainedConfig):
     r"""
     Configuration of a DFlash 2 drafter: a small non-causal Qwen3-style stack that reads the fused hidden states of
@@ -115,6 +130,8 @@ class DFlash2Config(PretrainedConfig):
         input_embedding_scale: float = 1.0,
         # serving
         max_speculative_batch_size: int | None = None,
+        tree_nodes: int = 0,
+        tree_width: int = 4,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -156,6 +173,10 @@ class DFlash2Config(PretrainedConfig):
         self.input_embedding_scale = input_embedding_scale
         # batches larger than this decode without speculation (with a warning); None: the measured default per device
         self.max_speculative_batch_size = max_speculative_batch_size
+        # DFlash 2's own loop, greedy: verify a tree of this many nodes (root included) drafted by a beam of
+        # `tree_width` over the candidates, instead of one path (0); `generate(..., tree_nodes=N)` overrides it
+        self.tree_nodes = tree_nodes
+        self.tree_width = tree_width
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.check()
@@ -212,6 +233,12 @@ class DFlash2Config(PretrainedConfig):
             yield f"max_speculative_batch_size={limit!r}; use a positive integer, or None for the measured default."
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             yield f"final_logit_softcapping={self.final_logit_softcapping}; use a positive cap or None."
+        if not isinstance(self.tree_width, int) or self.tree_width < 1:
+            yield f"tree_width={self.tree_width!r}; use a positive integer (nodes kept per depth while drafting a tree)."
+        else:
+            problem = tree_nodes_problem(self.tree_nodes, self)
+            if problem:
+                yield problem
 
     @property
     def uses_conv_and_selector(self) -> bool:

@@ -18,7 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .background import BackgroundFusion
 from .graphs import RoundRunner
-from .round_core import RoundCore, prefill_width
+from .round_core import RoundCore, check_tree_nodes, columns_per_round, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
@@ -36,10 +36,11 @@ CUDA_CAPACITY_STEP = 8192
 
 def own_loop_generate(target, drafter, input_ids, attention_mask, generation_config, streamer=None,
                       compile: bool | str | None = None, generator: torch.Generator | None = None,
-                      past_key_values=None):
+                      past_key_values=None, tree_nodes: int | None = None):
     """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate, or
     with `generation_config.return_dict_in_generate` an output whose `past_key_values` (a `LoopCache`) continues the
-    conversation: passed back with the whole conversation's ids, the next turn encodes only what follows."""
+    conversation: passed back with the whole conversation's ids, the next turn encodes only what follows.
+    `tree_nodes`: greedy rounds verify a tree of so many nodes (0: a path; None: `drafter.config.tree_nodes`)."""
     batch, length = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -58,11 +59,13 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     pad = generation_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
 
+    tree_nodes = drafter.config.tree_nodes if tree_nodes is None else tree_nodes
+    check_tree_nodes(tree_nodes, drafter.config)
     bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
     block = drafter.config.block_size
     graphs = uses_graphs(target, drafter)
-    needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + block
-    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile, graphs)
+    needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + columns_per_round(block, tree_nodes)
+    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile, graphs, tree_nodes)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
@@ -150,8 +153,8 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
 
 
 def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | str | None,
-                     graphs: bool):
-    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode) and kept
+                     graphs: bool, tree_nodes: int = 0):
+    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode, tree size) and kept
     among the drafter's `MAX_RUNNERS` most recently used. `graphs`: rounds and prefills are captured (`uses_graphs`).
 
     Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
@@ -168,7 +171,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     if compile is None:
         compile = "background" if graphs else False
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
-    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background")
+    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background", tree_nodes)
     runner = cores.pop(key, None)
     if runner is not None and runner.core.capacity < needed:
         runner.release()
@@ -177,7 +180,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
         while len(cores) >= MAX_RUNNERS:
             cores.pop(next(iter(cores))).release()
         capacity = capacity_for(needed, graphs)
-        core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs)
+        core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs, tree_nodes=tree_nodes)
         runner = RoundRunner(core, mode, capture=graphs)
         if compile == "background":
             runner.fusion = BackgroundFusion(runner)

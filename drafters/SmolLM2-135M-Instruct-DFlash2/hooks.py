@@ -63,6 +63,7 @@ def attach(drafter, target, use_by_default: bool = False):
         if use_by_default and kwargs.get("assistant_model") is None and not _other_speculation(kwargs):
             kwargs["assistant_model"] = target._dflash2_drafter
         drafter_in_call = kwargs.get("assistant_model")
+        tree_nodes = kwargs.pop("tree_nodes", None)
         if is_dflash2_drafter(drafter_in_call):
             check_request(target, drafter_in_call, args, kwargs)
             batch = _batch_size(args, kwargs)
@@ -70,7 +71,12 @@ def attach(drafter, target, use_by_default: bool = False):
             if batch > 1 and not speculation_pays_at(drafter_in_call, batch, target.device.type):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
             elif batch > 1 or kwargs.get("cache_implementation") == "static":
-                return _own_loop(target, args, kwargs)
+                return _own_loop(target, args, kwargs, tree_nodes)
+            elif tree_nodes:
+                raise ValueError(
+                    f"tree_nodes={tree_nodes}: tree verification runs in DFlash 2's own loop, and one prompt without "
+                    "cache_implementation='static' runs transformers' assisted loop, which verifies one path. Pass "
+                    "cache_implementation='static' too, or drop tree_nodes.")
             elif isinstance(earlier_cache, LoopCache):
                 raise ValueError(
                     "This cache comes from DFlash 2's own loop (a batch, or cache_implementation='static'), which "
@@ -80,6 +86,8 @@ def attach(drafter, target, use_by_default: bool = False):
             elif earlier_cache is not None and kwargs.get("speculation_type") != "dflash":
                 with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
                     return original_generate(*args, **kwargs)
+        elif tree_nodes is not None:
+            raise ValueError(f"tree_nodes={tree_nodes} needs a DFlash 2 drafter as assistant_model; drop tree_nodes.")
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
@@ -111,12 +119,12 @@ def detach(target):
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-def _own_loop(target, args, kwargs):
+def _own_loop(target, args, kwargs, tree_nodes=None):
     """A batch, or one prompt with cache_implementation='static': DFlash 2's own fixed-buffer loop."""
     cache = kwargs.pop("past_key_values", kwargs.pop("cache", None))
     drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
     return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag,
-                             past_key_values=cache)
+                             past_key_values=cache, tree_nodes=tree_nodes)
 
 
 def _split_generate_call(target, args, kwargs):

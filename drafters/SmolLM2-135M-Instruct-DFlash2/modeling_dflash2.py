@@ -589,10 +589,29 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         unary = self.unary_logits(draft_rows).float()
         if self.candidate_selector is None:
             return per_row_choice(unary, gumbel, transform)
-        top_scores, candidates = unary.topk(self.candidate_selector.top_k, dim=-1)
-        pairs = self.candidate_selector(draft_rows, top_scores, candidates, anchor_ids.to(candidates.device))
+        candidates, pairs = self._candidates_and_pairs(anchor_ids, draft_rows, unary)
         tokens, row_scores = walk_path(pairs, candidates, gumbel, transform)
         return DraftProposal(tokens, scatter_scores(row_scores, candidates, unary.shape[-1]))
+
+    def candidate_scores(self, anchor_ids: torch.Tensor, block_hidden: torch.Tensor):
+        """The candidates of every draft row and their pair scores, for drafting a tree (`generation/tree.py`).
+
+        anchor_ids [b]; block_hidden [b, B, H]. Returns candidates [b, B-1, K] (each row's top K unary tokens, best
+        first) and pairs [b, B-1, K, K] in fp32: pairs[:, t, i, j] scores candidate j of row t after candidate i of
+        row t-1 (after the anchor for t = 0, the same for every i). DFlash 2: the selector's pair scores over its top
+        K. DFlash 1 (no selector): the unary scores of the top `selector_top_k`, the same after every predecessor.
+        """
+        draft_rows = block_hidden[:, 1:]
+        unary = self.unary_logits(draft_rows).float()
+        if self.candidate_selector is not None:
+            return self._candidates_and_pairs(anchor_ids, draft_rows, unary)
+        top_scores, candidates = unary.topk(min(self.config.selector_top_k, unary.shape[-1]), dim=-1)
+        return candidates, top_scores.unsqueeze(-2).expand(*candidates.shape, candidates.shape[-1])
+
+    def _candidates_and_pairs(self, anchor_ids, draft_rows, unary):
+        top_scores, candidates = unary.topk(self.candidate_selector.top_k, dim=-1)
+        pairs = self.candidate_selector(draft_rows, top_scores, candidates, anchor_ids.to(candidates.device))
+        return candidates, pairs
 
 
 def per_row_choice(logits: torch.Tensor, gumbel: torch.Tensor | None, transform: Callable | None) -> DraftProposal:

@@ -12,18 +12,30 @@ columns lie at or beyond the next start, where every mask hides them, and the ne
 A round reads top to bottom: `draft_block` -> `propose` -> `verify` -> `accept`. `accept` advances the state in place
 and appends the emitted tokens to a per-row output buffer, so rounds can be queued back to back with no host read in
 between; a finished row (EOS or max_new_tokens) freezes until the host notices.
+
+With `tree_nodes` (greedy rounds), `tree_round` verifies a tree instead of a path (`tree.py`): `draft_block` ->
+`draft_tree` -> `verify_tree` (the tree's N nodes at columns start .. start+N-1, each seeing the context and its own
+root path) -> `accept_tree` -> `keep_path` (the accepted path's keys moved to the columns of depths 0 .. B-1) ->
+`accept` with the path as the block, so the state after the round is laid out as after a path round.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import Sampling, draft_temperature, first_token, greedy_accept, speculative_accept, warped_probabilities
+from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
 # Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one
 PREFILL_BUCKETS = tuple(2 ** k for k in range(4, 12))  # 16 .. 2048 = PREFILL_CHUNK
+
+
+def columns_per_round(block_size: int, tree_nodes: int = 0) -> int:
+    """Columns a round writes past its anchor's: the block, or the tree's nodes when larger."""
+    return max(block_size, tree_nodes)
 
 
 def prefill_width(length: int, block_size: int, bucketed: bool = False) -> int:
@@ -72,30 +84,50 @@ class ColumnCache:
             return keys, values
         return torch.cat([keys, key_states[:, :, count:]], dim=2), torch.cat([values, value_states[:, :, count:]], dim=2)
 
+    def move_columns(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy every layer's keys/values at columns `source` [b, n] to columns `dest` [b, n] (all read first)."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                if buffer is not None:
+                    flat = buffer.view(-1, buffer.shape[-1])
+                    flat.index_copy_(0, flat_rows(buffer, dest), flat.index_select(0, flat_rows(buffer, source)))
+
     def _index_for(self, buffer: torch.Tensor) -> torch.Tensor:
         """Row indices of `buffer` viewed as [b * heads * capacity, head_dim] for the write columns, [b*heads*n]."""
         device = buffer.device
         if device not in self._flat_index:
-            batch, heads, capacity, _ = buffer.shape
-            columns = self.write_columns.to(device)
-            rows = torch.arange(batch, device=device).view(-1, 1, 1) * heads + torch.arange(heads, device=device).view(
-                1, -1, 1)
-            self._flat_index[device] = (rows * capacity + columns[:, None, :]).flatten()
+            self._flat_index[device] = flat_rows(buffer, self.write_columns)
         return self._flat_index[device]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
 
+def flat_rows(buffer: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Row indices of `buffer` [b, heads, capacity, d] viewed as [b * heads * capacity, d] for per-row `columns`
+    [b, n]: [b * heads * n]."""
+    batch, heads, capacity, _ = buffer.shape
+    device = buffer.device
+    rows = torch.arange(batch, device=device).view(-1, 1, 1) * heads + torch.arange(heads, device=device).view(1, -1, 1)
+    return (rows * capacity + columns.to(device)[:, None, :]).flatten()
+
+
 class RoundCore:
-    """Fixed buffers and one fixed-shape round for (target, drafter, batch, capacity, sampling settings)."""
+    """Fixed buffers and one fixed-shape round for (target, drafter, batch, capacity, sampling settings, tree size).
+
+    `tree_nodes` > 0: greedy rounds verify a tree of that many nodes (root included, `tree.py`), drafted by a beam of
+    `drafter.config.tree_width`; 0: a path. Sampling rounds always verify a path."""
 
     def __init__(self, target, drafter, batch: int, capacity: int, sampling: Sampling, eos_token_ids=(),
-                 bucketed_prefill: bool = False):
+                 bucketed_prefill: bool = False, tree_nodes: int = 0):
         config = drafter.config
         check_target_fits(target)
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.batch, self.capacity, self.block_size = batch, capacity, config.block_size
+        self.tree_width = config.tree_width
+        check_tree_nodes(tree_nodes, config)
+        self.tree_nodes = tree_nodes
+        self.round_columns = columns_per_round(config.block_size, tree_nodes)
         self.layer_ids = list(config.target_layer_ids)
         self.device = device = drafter.device
         self.cache_keyword = cache_keyword(target)
@@ -109,6 +141,7 @@ class RoundCore:
         block, long = self.block_size, dict(dtype=torch.long, device=device)
         self.columns = torch.arange(capacity, **long)  # [capacity]
         self.offsets = torch.arange(block, **long)  # [B]
+        self.node_offsets = torch.arange(max(tree_nodes, 1), **long)  # [N]: a tree's nodes, one column each
         self.mask_row = torch.full((1, block - 1), config.mask_token_id, **long)
         self.eos = torch.tensor(sorted(set(eos_token_ids)), **long)
         # ---- state of every row, advanced in place by each round
@@ -202,6 +235,8 @@ class RoundCore:
     @torch.no_grad()
     def round(self) -> None:
         """draft -> propose -> verify -> accept, all on the device, every shape fixed."""
+        if self.tree_nodes and not self.sampling.do_sample:
+            return self.tree_round()
         hidden = self.draft_block()
         proposal = self.propose(hidden)
         block = torch.cat([self.anchor.view(-1, 1), proposal.tokens], dim=1)
@@ -213,6 +248,56 @@ class RoundCore:
         else:
             accepted, next_token = greedy_accept(proposal.tokens, logits)
         self.accept(block, accepted, next_token, features)
+
+    # ------------------------------------------------------------------------------------------ a round with a tree
+    def tree_round(self) -> None:
+        """draft -> tree -> verify every node -> accept the longest followed root path -> keep it, every shape fixed."""
+        hidden = self.draft_block()
+        tree = self.draft_tree(hidden)
+        target_tokens, features = self.verify_tree(tree)
+        accepted, next_token, path = accept_tree(tree, target_tokens, self.block_size)  # path [b, B]
+        self.keep_path(path)
+        path_features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        self.accept(tree.tokens.gather(1, path), accepted, next_token, path_features)
+
+    def draft_tree(self, hidden: torch.Tensor) -> DraftTree:
+        """The tree of `tree_nodes` nodes from the denoised block [b, B, H]."""
+        candidates, pairs = self.drafter.candidate_scores(self.anchor, hidden)
+        return draft_tree(self.anchor, candidates, pairs, self.tree_nodes, self.tree_width)
+
+    def verify_tree(self, tree: DraftTree):
+        """One target forward over the tree's nodes at columns start .. start+N-1 (positions by depth): the target's
+        argmax after each node [b, N] and the nodes' tapped features [b, N, taps*H]."""
+        node_columns = self.start.view(-1, 1) + self.node_offsets
+        self.target_cache.set_write_columns(node_columns)
+        positions = self.start.view(-1, 1) - self.first_column.view(-1, 1) + tree.depth
+        out = self.target(input_ids=tree.tokens, position_ids=positions, attention_mask=self.tree_masks(tree),
+                          use_cache=True, output_hidden_states=True, **{self.cache_keyword: self.target_cache})
+        return out.logits.argmax(-1), tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
+
+    def tree_masks(self, tree: DraftTree):
+        """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
+        root path (themselves included); within the target's window on its sliding layers. [b, 1, N, capacity]."""
+        nodes = tree.tokens.shape[1]
+        keys = self.columns.view(1, 1, -1)
+        start, first = self.start.view(-1, 1, 1), self.first_column.view(-1, 1, 1)
+        slot = keys - start  # [b, 1, C]: the node a column holds, when 0 <= slot < N
+        in_tree = (slot >= 0) & (slot < nodes)
+        on_root_path = tree.ancestors.gather(2, slot.clamp(0, nodes - 1).expand(-1, nodes, -1)) & in_tree
+        allowed = ((keys >= first) & (keys < start)) | on_root_path  # [b, N, C]
+        if self.target_window is None:
+            return allowed[:, None]
+        depth_of_slot = tree.depth.gather(1, slot.clamp(0, nodes - 1).squeeze(1)).unsqueeze(1)
+        key_positions = torch.where(in_tree, start - first + depth_of_slot, keys - first)
+        query_positions = (start - first).view(-1, 1, 1) + tree.depth.unsqueeze(-1)
+        sliding = allowed & (query_positions - key_positions < self.target_window)
+        return {"full_attention": allowed[:, None], "sliding_attention": sliding[:, None]}
+
+    def keep_path(self, path: torch.Tensor) -> None:
+        """Move the target keys/values of the accepted path's nodes (path [b, B], by depth) to columns start ..
+        start+B-1, where a path round would have written them."""
+        start = self.start.view(-1, 1)
+        self.target_cache.move_columns(start + path, start + self.offsets)
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
         """Fill the round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the tests)."""
@@ -247,7 +332,7 @@ class RoundCore:
         width = max([self.block_size] + [n - k for n, k in zip(lengths, keep)])
         first = self.first_column.tolist()
         shift = [f + n - width for f, n in zip(first, lengths)] + [0] * (batch - len(rows))  # empty rows: 0
-        if min(shift) < 0 or max(shift) + width + max_new_tokens + self.block_size > self.capacity:
+        if min(shift) < 0 or max(shift) + width + max_new_tokens + self.round_columns > self.capacity:
             return False
         staged = torch.zeros(batch, width, dtype=torch.long, device=device)
         for row, ids in enumerate(rows):
@@ -279,8 +364,8 @@ class RoundCore:
         (else in a tensor of its own); each row's first column set. Returns (width, the staged ids)."""
         batch, length = input_ids.shape
         width = self.prefill_width(length)
-        if width + max_new_tokens + self.block_size > self.capacity:
-            raise ValueError(f"prompt ({length}) + max_new_tokens ({max_new_tokens}) + block does not fit the "
+        if width + max_new_tokens + self.round_columns > self.capacity:
+            raise ValueError(f"prompt ({length}) + max_new_tokens ({max_new_tokens}) + a round's columns does not fit the "
                              f"buffers' capacity {self.capacity}.")
         staged = self.prompt_ids if width <= self.prompt_ids.shape[1] else torch.zeros(
             batch, width, dtype=torch.long, device=self.device)
@@ -349,6 +434,13 @@ class RoundCore:
                 position_ids=(torch.cat([columns, block_columns], dim=1) - first).clamp(min=0),
                 attention_mask=drafter.attention_masks(block_columns - first, key_columns - first, visible),
                 cache=self.draft_cache)
+
+
+def check_tree_nodes(tree_nodes: int, config) -> None:
+    """One clear error for a tree size the drafter cannot draft."""
+    problem = tree_nodes_problem(tree_nodes, config)
+    if problem:
+        raise ValueError(problem)
 
 
 def check_target_fits(target) -> None:

@@ -1,0 +1,117 @@
+"""Tree verification: draft a small tree from the drafter's candidates, verify every node in one target forward, keep
+the longest root path the target's own greedy tokens follow.
+
+Each round the drafter holds the top K candidates of every block row and the selector's pair scores between the
+candidates of neighbouring rows (`DFlash2DraftModel.candidate_scores`). The path round keeps one walk through them;
+when the target disagrees at row t, the rest of the block is lost although its token was often another candidate
+there. A tree keeps several: `draft_tree` runs a beam of `width` partial paths down the rows (each step extends every
+beam path by every candidate and keeps the `width` best by the sum of their log-probabilities under the selector's
+softmax), then keeps the `nodes - 1` best of all the beam's nodes by that sum, plus the root (the anchor). A node's
+sum never exceeds its parent's, and a tie is broken towards the shallower node, so the kept nodes form a tree: every
+node's parent is kept, and comes before it in node order.
+
+Every shape is fixed by (batch, block, K, width, nodes), so a round with a tree is captured and fused like the path
+round. Greedy acceptance (`accept_tree`): a node is accepted when every node on its root path is the target's argmax
+after its parent; the deepest accepted node ends the accepted path, and the target's token after it is the bonus
+token. The accepted path, in depth order, takes the place of the path round's block: its tokens are emitted and its
+keys and tapped features are moved to the columns of depths 0 .. B-1 (`RoundCore.tree_round`).
+
+Sampling keeps the path round: exact speculative sampling over a tree (several paths, each with its own proposal
+distribution) is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .configuration_dflash2 import most_tree_nodes
+
+# Breaks ties of the log-probability sums towards the shallower node, so that a child never outranks its parent.
+# Sums lie within a few hundred of zero, where fp32 resolves ~1e-5: the step is far above that and far below any real
+# difference between two candidates' scores that matters.
+DEPTH_TIE_BREAK = 1e-3
+
+
+@dataclass
+class DraftTree:
+    """A drafted tree of `nodes` nodes per row, node 0 the root (the anchor), parents before children.
+
+    tokens [b, N]; depth [b, N] (root 0); parent [b, N] (node index; the root its own parent);
+    ancestors [b, N, N] bool: ancestors[r, n, m] when node m lies on node n's root path (n itself included).
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    ancestors: torch.Tensor
+
+
+def draft_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Tensor, nodes: int,
+               width: int) -> DraftTree:
+    """The tree of `nodes` nodes (root included) from candidates [b, R, K] and pair scores [b, R, K, K] (see
+    `DFlash2DraftModel.candidate_scores`), anchor [b]."""
+    batch, rows, k = candidates.shape
+    width = min(width, k)
+    if not 1 < nodes <= most_tree_nodes(rows + 1, width, k):
+        raise ValueError(f"tree_nodes={nodes}: a tree of width {width} over {rows} draft rows has 2 .. "
+                         f"{most_tree_nodes(rows + 1, width, k)} nodes.")
+    log_q = pairs.float().log_softmax(-1)  # [b, R, K, K]: the selector's proposal of row t after each predecessor
+    # ---- the beam: per depth t+1, `width` (candidate, parent beam slot, sum of log-probabilities)
+    sums, choice = log_q[:, 0, 0].topk(width, dim=-1)  # [b, W]: row 0 follows the anchor
+    beam_choice, beam_parent, beam_sum = [choice], [torch.zeros_like(choice)], [sums]
+    for t in range(1, rows):
+        step = log_q[:, t].gather(1, choice.unsqueeze(-1).expand(-1, -1, k))  # [b, W, K]: after each beam path
+        sums, flat = (sums.unsqueeze(-1) + step).flatten(1).topk(width, dim=-1)  # [b, W]
+        parent_slot, choice = flat // k, flat % k
+        beam_choice.append(choice)
+        beam_parent.append(parent_slot)
+        beam_sum.append(sums)
+    pool_choice = torch.stack(beam_choice, 1)  # [b, R, W]
+    pool_parent = torch.stack(beam_parent, 1)  # [b, R, W]: slot at the depth above
+    pool_sum = torch.stack(beam_sum, 1)  # [b, R, W]
+    depth_of_row = torch.arange(1, rows + 1, device=candidates.device).view(1, -1, 1)
+    # ---- the best nodes - 1 of the pool, parents first (a child's key is strictly below its parent's)
+    key = (pool_sum - DEPTH_TIE_BREAK * depth_of_row).flatten(1)  # [b, R*W]
+    kept = key.topk(nodes - 1, dim=-1).indices  # [b, N-1] pool index t * W + w, in decreasing key
+    depth = kept // width + 1
+    tokens = candidates.flatten(1).gather(1, (depth - 1) * k + pool_choice.flatten(1).gather(1, kept))
+    parent_pool = (depth - 2) * width + pool_parent.flatten(1).gather(1, kept)  # depth 1: the root (-1 + ... < 0)
+    node_of_pool = torch.zeros(batch, rows * width, dtype=torch.long, device=candidates.device)
+    node_of_pool.scatter_(1, kept, torch.arange(1, nodes, device=candidates.device).expand(batch, -1))
+    parent = torch.where(depth > 1, node_of_pool.gather(1, parent_pool.clamp(min=0)), torch.zeros_like(depth))
+    zero = torch.zeros(batch, 1, dtype=torch.long, device=candidates.device)
+    tokens = torch.cat([anchor.view(-1, 1).to(tokens), tokens], dim=1)
+    depth, parent = torch.cat([zero, depth], dim=1), torch.cat([zero, parent], dim=1)
+    return DraftTree(tokens, depth, parent, ancestor_matrix(parent, rows))
+
+
+def ancestor_matrix(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """ancestors [b, N, N] from parent [b, N] (root its own parent): the reflexive-transitive closure of the parent
+    relation, by repeated squaring (paths of up to `max_depth` steps)."""
+    nodes = parent.shape[1]
+    eye = torch.eye(nodes, device=parent.device)
+    reach = eye + torch.nn.functional.one_hot(parent, nodes).float()  # self or parent
+    covered = 1
+    while covered < max_depth:
+        reach = (reach @ reach).clamp(max=1.0)
+        covered *= 2
+    return reach > 0
+
+
+def accept_tree(tree: DraftTree, target_tokens: torch.Tensor, block_size: int):
+    """Greedy acceptance over a tree. target_tokens [b, N]: the target's argmax after each node.
+
+    Returns accepted [b] (drafts accepted, the depth of the deepest accepted node), next_token [b] (the target's
+    token after it) and path [b, B] (the accepted path's node at depths 0 .. B-1; past its end, the root)."""
+    follows = tree.tokens == target_tokens.gather(1, tree.parent)  # [b, N]: the target's choice after the parent
+    follows[:, 0] = True
+    accepted_node = ~(tree.ancestors & ~follows.unsqueeze(1)).any(-1)  # [b, N]: the whole root path follows
+    deepest = (accepted_node * (tree.depth + 1)).argmax(-1)  # [b]; unique: siblings hold distinct tokens
+    accepted = tree.depth.gather(1, deepest.view(-1, 1)).squeeze(1)
+    next_token = target_tokens.gather(1, deepest.view(-1, 1)).squeeze(1)
+    on_path = tree.ancestors.gather(1, deepest.view(-1, 1, 1).expand(-1, 1, tree.tokens.shape[1])).squeeze(1)
+    at_depth = tree.depth.unsqueeze(-1) == torch.arange(block_size, device=tree.depth.device)  # [b, N, B]
+    path = (on_path.unsqueeze(-1) & at_depth).long().argmax(1)  # [b, B]
+    return accepted, next_token, path

@@ -1,0 +1,276 @@
+"""Tree verification (generation/tree.py, RoundCore.tree_round): the vectorised pieces against naive loops, and tree
+decoding against plain greedy on hundreds of random cases (tiny targets and vocabularies, so that side branches win;
+an oracle plants each row's true continuation along a random root path of the tree, so rounds accept deep paths that
+are not the beam's best)."""
+
+import random
+
+import pytest
+import torch
+
+from dflash2.generation.round_core import RoundCore
+from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree
+from dflash2.training.decoding import left_padded as left_pad
+from helpers import EOS, tiny_drafter, tiny_target
+
+
+# ---------------------------------------------------------------------------------------------- naive references
+def naive_tree_paths(candidates, pairs, nodes, width):
+    """The kept nodes of one row as root paths of token ids, by a plain beam search over Python lists."""
+    rows, k = candidates.shape
+    log_q = pairs.float().log_softmax(-1)
+    beam = [(0.0, ())]  # (sum of log-probabilities, candidate indices along the path)
+    pool = []
+    for t in range(rows):
+        grown = []
+        for total, path in beam:
+            before = path[-1] if path else 0
+            grown += [(total + float(log_q[t, before, j]), path + (j,)) for j in range(k)]
+        beam = sorted(grown, key=lambda item: -item[0])[: min(width, k)]
+        pool += beam
+    pool.sort(key=lambda item: -(item[0] - DEPTH_TIE_BREAK * len(item[1])))
+    return {tuple(int(candidates[t, j]) for t, j in enumerate(path)) for _, path in pool[: nodes - 1]}
+
+
+def tree_paths(tree, row):
+    """The root paths (token ids after the root) of one row's nodes."""
+    parent, tokens = tree.parent[row].tolist(), tree.tokens[row].tolist()
+    paths = set()
+    for node in range(1, len(tokens)):
+        path = []
+        while node != 0:
+            path.append(tokens[node])
+            node = parent[node]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def naive_accept(tree, target_tokens, row):
+    """Walk down from the root: follow the child holding the target's token after the current node."""
+    parent, tokens, targets = tree.parent[row].tolist(), tree.tokens[row].tolist(), target_tokens[row].tolist()
+    node, path = 0, [0]
+    while True:
+        children = [n for n in range(1, len(tokens)) if parent[n] == node and tokens[n] == targets[node]]
+        if not children:
+            return len(path) - 1, targets[node], path
+        node = children[0]
+        path.append(node)
+
+
+def random_scores(batch, rows, k, vocab, seed):
+    generator = torch.Generator().manual_seed(seed)
+    candidates = torch.stack([torch.stack([torch.randperm(vocab, generator=generator)[:k] for _ in range(rows)])
+                              for _ in range(batch)])
+    pairs = torch.randn(batch, rows, k, k, generator=generator) * 2
+    pairs[:, 0] = pairs[:, 0, :1]  # row 0 follows the anchor: the same scores after every "predecessor"
+    return candidates, pairs
+
+
+@pytest.mark.parametrize("batch,rows,k,width,nodes", [(1, 3, 4, 2, 5), (3, 7, 8, 4, 29), (2, 15, 16, 4, 32),
+                                                      (2, 15, 16, 8, 64), (4, 5, 6, 1, 6), (2, 7, 5, 3, 9)])
+def test_draft_tree_keeps_the_naive_beams_best_nodes(batch, rows, k, width, nodes):
+    for seed in range(4):
+        candidates, pairs = random_scores(batch, rows, k, 50, seed)
+        anchor = torch.arange(batch)
+        tree = draft_tree(anchor, candidates, pairs, nodes, width)
+        assert tree.tokens.shape == (batch, nodes) and torch.equal(tree.tokens[:, 0], anchor)
+        for row in range(batch):
+            assert tree_paths(tree, row) == naive_tree_paths(candidates[row], pairs[row], nodes, width)
+            parent = tree.parent[row].tolist()
+            assert all(parent[n] < n for n in range(1, nodes)), "parents come before children"
+            assert all(tree.depth[row, n] == tree.depth[row, parent[n]] + 1 for n in range(1, nodes))
+            for n in range(nodes):  # ancestors: exactly the nodes on n's root path
+                on_path, node = {n}, n
+                while node != 0:
+                    node = parent[node]
+                    on_path.add(node)
+                assert set(torch.nonzero(tree.ancestors[row, n]).flatten().tolist()) == on_path
+
+
+def test_ties_never_orphan_a_node():
+    """Certain candidates (log-probability 0 in fp32) tie a child with its parent: the parent still comes first."""
+    candidates, pairs = random_scores(2, 7, 4, 20, 0)
+    pairs[:, :, :, 0] = 1e4  # candidate 0 certain after everything
+    tree = draft_tree(torch.zeros(2, dtype=torch.long), candidates, pairs, 12, 3)
+    parent = tree.parent.tolist()
+    assert all(parent[r][n] < n for r in range(2) for n in range(1, 12))
+    assert tree.depth[:, 1:8].tolist() == [list(range(1, 8))] * 2  # the certain chain, shallowest first
+
+
+@pytest.mark.parametrize("width,nodes", [(2, 9), (4, 29), (1, 8)])
+def test_accept_tree_equals_the_naive_walk(width, nodes):
+    rng = random.Random(width)
+    for seed in range(30):
+        candidates, pairs = random_scores(3, 7, 5, 6, seed)  # 6 tokens: targets often match some node
+        tree = draft_tree(torch.tensor([1, 2, 3]), candidates, pairs, nodes, width)
+        targets = torch.randint(0, 6, tree.tokens.shape, generator=torch.Generator().manual_seed(seed))
+        for row in range(3):  # plant a followed root path of random depth
+            node = rng.randrange(nodes)
+            while node != 0:
+                parent = int(tree.parent[row, node])
+                targets[row, parent] = tree.tokens[row, node]
+                node = parent
+        accepted, next_token, path = accept_tree(tree, targets, 8)
+        for row in range(3):
+            want_accepted, want_next, want_path = naive_accept(tree, targets, row)
+            assert (int(accepted[row]), int(next_token[row])) == (want_accepted, want_next)
+            got = tree.tokens[row, path[row, : want_accepted + 1]].tolist()
+            assert got == tree.tokens[row, want_path].tolist()
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def sliding_qwen3(vocab, seed):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, use_sliding_window=True, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"] * 2)
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    """RoundCore.draft_tree with each row's true continuation (state["references"], new tokens) written along the
+    root path of a random node, for a random number of depths: the accepted path is often a side branch."""
+    state = {"references": None, "rng": random.Random(0), "side_wins": 0}
+    original = RoundCore.draft_tree
+
+    def draft(self, hidden):
+        tree = original(self, hidden)
+        if state["references"] is None:
+            return tree
+        rng = state["rng"]
+        for row, emitted in enumerate(self.output_length.tolist()[: len(state["references"])]):
+            if rng.random() < 0.25:
+                continue  # the tree as drafted
+            truth = state["references"][row][emitted:]
+            node = rng.randrange(1, tree.tokens.shape[1])
+            usable = rng.randint(0, len(truth))
+            while node != 0:
+                depth = int(tree.depth[row, node])
+                if depth <= usable:
+                    tree.tokens[row, node] = truth[depth - 1]
+                node = int(tree.parent[row, node])
+        return tree
+
+    def accept(tree, target_tokens, block_size):
+        accepted, next_token, path = accept_tree(tree, target_tokens, block_size)
+        best_first = tree.depth[:, 1:].eq(1).long().argmax(-1) + 1  # the beam's best depth-1 node
+        state["side_wins"] += int(((accepted > 0) & (path[:, 1] != best_first)).sum())
+        return accepted, next_token, path
+
+    monkeypatch.setattr(RoundCore, "draft_tree", draft)
+    monkeypatch.setattr("dflash2.generation.round_core.accept_tree", accept)
+    return state
+
+
+def plain_alone(target, prompt, max_new, eos):
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                          eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def run_random_cases(cases, planted, seed=0):
+    """Random (target, drafter, tree, batch, prompts, max_new, eos) cases; each row against plain greedy alone."""
+    rng = random.Random(seed)
+    pairs = {}
+    equal = total = 0
+    for case in range(cases):
+        arch, vocab, block = rng.choice([("llama", 8, 4), ("llama", 12, 8), ("qwen3", 16, 4), ("sliding", 10, 8),
+                                         ("qwen3", 24, 8), ("llama", 10, 16)])
+        if (arch, vocab, block) not in pairs:
+            target = sliding_qwen3(vocab, 3) if arch == "sliding" else tiny_target(arch, seed=vocab, vocab=vocab,
+                                                                                     layers=3)
+            drafter = tiny_drafter(target, seed=block, block_size=block, selector_top_k=min(6, vocab),
+                                   tree_width=rng.choice([2, 3, 4]), target_layer_ids=[0, 2]).attach(target)
+            pairs[arch, vocab, block] = target, drafter
+        target, drafter = pairs[arch, vocab, block]
+        most = 1 + (block - 1) * min(drafter.config.tree_width, drafter.config.selector_top_k)
+        nodes = rng.choice([2, 3, block, rng.randint(2, most), most])
+        batch = rng.choice([1, 1, 2, 3, 4])
+        max_new = rng.randint(1, 30)
+        eos = rng.choice([None, EOS % vocab, rng.randrange(2, vocab)])
+        prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(1, 12))] for _ in range(batch)]
+        references = [plain_alone(target, p, max_new, eos) for p in prompts]
+        planted["references"] = [r + [0] * block for r in references]
+        ids, mask = left_pad(prompts, 0)
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                              max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0,
+                              cache_implementation="static", tree_nodes=nodes)
+        planted["references"] = None
+        for row, reference in enumerate(references):
+            got = out[row, ids.shape[1]: ids.shape[1] + len(reference)].tolist()
+            equal += got == reference
+            total += 1
+    return equal, total
+
+
+def test_tree_decoding_equals_plain_greedy_on_hundreds_of_random_cases(planted):
+    equal, total = run_random_cases(220, planted, seed=1)
+    print(f"\n[tree, fp32] 220 cases, {total} rows equal to plain greedy: {equal}; side branches won "
+          f"{planted['side_wins']} rounds")
+    assert equal == total, f"{total - equal} of {total} rows differ from plain greedy"
+    assert planted["side_wins"] > 100, planted["side_wins"]
+
+
+def test_a_tree_drafts_more_per_round_than_the_path_on_a_tiny_vocabulary():
+    """Without any oracle: over a tiny vocabulary the target's token is often another candidate, so a tree of the
+    beam's best nodes accepts more per verification than the walk's one path."""
+    target = tiny_target("llama", seed=5, vocab=8, layers=3)
+    drafter = tiny_drafter(target, seed=6, block_size=8, selector_top_k=8, tree_width=4, target_layer_ids=[0, 2]).attach(target)
+    taus = {}
+    for nodes in (0, 29):
+        tokens = forwards = 0
+        for seed in range(6):
+            ids = torch.randint(2, 8, (1, 5), generator=torch.Generator().manual_seed(seed))
+            reference = target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None)
+            out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, eos_token_id=None,
+                                  cache_implementation="static", tree_nodes=nodes)
+            assert torch.equal(out, reference)
+            tokens += drafter.last_stats.completion_tokens
+            forwards += drafter.last_stats.target_forwards
+        taus[nodes] = tokens / forwards
+    assert taus[29] > 1.2 * taus[0], taus
+
+
+def test_sampling_with_a_tree_configured_runs_the_path_round():
+    """Sampling rounds verify a path: with the same seed, tree_nodes changes nothing."""
+    target = tiny_target("llama", seed=7, vocab=12, layers=3)
+    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, target_layer_ids=[0, 2]).attach(target)
+    ids = torch.randint(2, 12, (2, 6), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for nodes in (0, 10):
+        torch.manual_seed(123)
+        outputs.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                       do_sample=True, temperature=0.9, max_new_tokens=20, eos_token_id=None,
+                                       tree_nodes=nodes))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_tree_nodes_from_the_config_and_bad_values():
+    target = tiny_target("llama", seed=9, vocab=12, layers=2)
+    drafter = tiny_drafter(target, seed=1, block_size=4, selector_top_k=6, tree_width=2, tree_nodes=7,
+                           target_layer_ids=[0, 1]).attach(target)
+    ids = torch.randint(2, 12, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = target.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                          cache_implementation="static")
+    assert torch.equal(out, reference)
+    assert [runner.core.tree_nodes for runner in drafter.round_runners()] == [7]
+    with pytest.raises(ValueError, match=r"tree_nodes=8; use 0 .* or 2 \.\. 7"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, cache_implementation="static", tree_nodes=8)
+    with pytest.raises(ValueError, match="tree verification runs in DFlash 2's own loop"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, tree_nodes=5)
+    with pytest.raises(ValueError, match="needs a DFlash 2 drafter"):
+        target.generate(ids, max_new_tokens=4, tree_nodes=5)
+    with pytest.raises(ValueError, match="tree_nodes=1"):
+        tiny_drafter(target, block_size=4, tree_nodes=1, target_layer_ids=[0, 1])
+    with pytest.raises(ValueError, match="tree_width=0"):
+        tiny_drafter(target, block_size=4, tree_width=0, target_layer_ids=[0, 1])
