@@ -87,3 +87,22 @@ def test_speed_reports_each_prompt_category_from_its_own_prompts():
     assert (math["prompts"], math["dflash2"], math["plain-graph"], math["tau"]) == (2, 25.0, 8.33, 3.333)
     assert math["speedup_vs_plain-graph"] == round(25.0 / 8.33, 3)
     assert (table["writing"]["tau"], table["writing"]["speedup_vs_plain-graph"]) == (2.0, 1.0)
+
+
+def test_acceptance_tau_by_category_and_its_table():
+    """τ of a category is its prompts' tokens over their forwards (not a mean of per-prompt τ); the table has a row per
+    category, the mean of a task's categories, the task's τ over all its prompts, and a column per run."""
+    from dflash2.benchmarks.acceptance import by_category, category_table
+
+    rows = [{"tokens": 30, "target_forwards": 10}, {"tokens": 10, "target_forwards": 10},
+            {"tokens": 40, "target_forwards": 10}]
+    table = by_category(rows, ["writing", "writing", "math"])
+    assert table == {"writing": {"prompts": 2, "tau": 2.0}, "math": {"prompts": 1, "tau": 4.0}}
+    run = {"drafter": "d", "temperature": 0.0, "tasks": {
+        "mtbench": {"prompts": 3, "skip": 0, "tau": 2.667, "by_category": table},
+        "math": {"prompts": 1, "skip": 0, "tau": 1.5, "by_category": {"math word problems": {"prompts": 1, "tau": 1.5}}}}}
+    other = {**run, "drafter": "e", "temperature": 1.0, "tasks": {"math": run["tasks"]["math"]}}
+    lines = category_table([run, other]).splitlines()
+    assert lines[0] == "| τ | d, T 0 | e, T 1 |"
+    assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
+    assert "| math word problems | 1.50 | 1.50 |" in lines and "| mtbench: all 3 prompts from 0 | 2.67 |  |" in lines
