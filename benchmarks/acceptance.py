@@ -4,7 +4,7 @@
     python -m dflash2.benchmarks.acceptance --task humaneval,mtbench --skip 100,40 --num-prompts 10 \
         --max-new-tokens 256 --temperature 1      # issue #13's prompts, sampled (top-p with --top-p)
     python -m dflash2.benchmarks.acceptance --task mtbench,humaneval,math --skip 0,100,0 --max-new-tokens 256 \
-        --drafter A --drafter B --out t0.json     # the category table, two drafters (then --temperature 1 --out t1.json)
+        --drafter A --drafter B --out t0.json   # the category table of two drafters (then --temperature 1)
     python -m dflash2.benchmarks.acceptance --table t0.json t1.json   # one Markdown table of saved reports
 
 Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints,

@@ -169,7 +169,7 @@ def test_build_prompts_mixes_the_code_sources(monkeypatch, tmp_path):
 
 def test_the_math_tasks_templates_never_reach_the_training_problems():
     from dflash2.tasks import MATH_CATEGORY, task_categories, task_prompts
-    from dflash2.training import problems
+    from dflash2 import problems
 
     assert not set(problems.TRAIN_TEMPLATES) & set(problems.EVAL_TEMPLATES)
     evaluation = task_prompts("math")
@@ -197,7 +197,7 @@ def test_logic_puzzles_have_exactly_one_answer():
     import itertools
     import re
 
-    from dflash2.training import problems
+    from dflash2 import problems
 
     puzzles = problems.logic_puzzles(700, seed=3)
     assert puzzles == problems.logic_puzzles(700, seed=3) and len(set(puzzles)) == 700

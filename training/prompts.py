@@ -11,8 +11,8 @@ only decides *what to ask it*. Three offline sources are mixed:
 * ``source-stubs`` - function stubs (signature and docstring) parsed from the stdlib and installed packages
 * ``code-chat``, ``code-review`` - programming requests in many languages, and real functions with a request about
   them (``code_prompts.py``)
-* ``math-word``, ``reasoning`` - math word problems and logic puzzles generated from templates (``problems.py``; the
-  word problems of the ``math`` evaluation task come from other templates)
+* ``math-word``, ``reasoning`` - math word problems and logic puzzles generated from templates (``problems.py`` at the
+  package's top: the word problems of the ``math`` evaluation task come from other templates there)
 * ``writing``, ``text-task`` - writing and explanation requests, and passages of text with a request about them:
   summarise, extract, rewrite, question (``text_prompts.py``)
 
@@ -51,7 +51,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dflash2.training import code_prompts, problems, text_prompts
+from dflash2 import problems
+from dflash2.training import code_prompts, text_prompts
 
 log = logging.getLogger(__name__)
 
@@ -803,8 +804,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-code-review", type=int, default=0,
                         help="real functions' source with a request about them (explain, review, test, port)")
     parser.add_argument("--n-math-word", type=int, default=0,
-                        help="math word problems from templates (training/problems.py; not the math task's templates)")
-    parser.add_argument("--n-reasoning", type=int, default=0, help="logic puzzles (training/problems.py)")
+                        help="math word problems from templates (problems.py; not the math task's templates)")
+    parser.add_argument("--n-reasoning", type=int, default=0, help="logic puzzles (problems.py)")
     parser.add_argument("--n-writing", type=int, default=0,
                         help="writing, explanation, email and role-play requests (training/text_prompts.py)")
     parser.add_argument("--n-text-tasks", type=int, default=0, help="passages (package READMEs, ShareGPT answers) "
