@@ -313,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(bench)
     bench.add_argument("--dflash1-drafter", default=None, help="a DFlash 1 drafter folder to compare as well "
                        "(default: none)")
-    bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"], choices=["humaneval", "mtbench"],
-                       help="evaluation prompt sets")
+    bench.add_argument("--tasks", nargs="+", default=["humaneval", "mtbench"],
+                       choices=["humaneval", "mtbench", "math"], help="evaluation prompt sets (math: generated word problems, never trained on)")
     bench.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per task")
     bench.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None,
                        help="instead of the method table: plain vs DFlash 2 throughput at these batch sizes (greedy; "

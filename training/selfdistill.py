@@ -41,8 +41,8 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     says per prompt whether it is answered by sampling at `temperature` (default: all of them when temperature > 0,
     else none); a batch holds only one kind. A sampled batch j samples after seeding torch from (seed, j), so a run is
     reproducible for the same prompts, batch size and seed. With `time_limit_s`, no batch starts after that many
-    seconds: the prompts left unanswered get None (batches of both kinds run in one seeded random order, so a cut
-    drops a random set of batches, not the longest prompts nor one kind). `cache`: "inplace" decodes with
+    seconds: the prompts left unanswered get None (`batch_plan`: a cut drops a random set of prompts, not the longest,
+    nor one kind, nor one source whose prompts are all of a length). `cache`: "inplace" decodes with
     `training.decoding.answer_batch` (Llama-family targets: a cache written in place, ended rows dropped), "dynamic"
     with transformers' `generate` and its dynamic cache (any model), "auto" (the default) the first where it can.
     """
@@ -52,11 +52,7 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
     encoded = [prompt_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
     sampled = [temperature > 0] * len(encoded) if sampled is None else list(sampled)
     rows: list[dict | None] = [None] * len(encoded)
-    numbered = []  # (number of the batch among those of its kind, batch)
-    for kind in (False, True):
-        order = sorted((i for i in range(len(encoded)) if sampled[i] == kind), key=lambda i: len(encoded[i]))
-        numbered += list(enumerate(order[i: i + batch_size] for i in range(0, len(order), batch_size)))
-    random.Random(f"dflash2-distill:{seed}").shuffle(numbered)
+    numbered = batch_plan([len(ids) for ids in encoded], sampled, batch_size, seed)
     iterator = numbered
     if progress:
         from tqdm.auto import tqdm
@@ -88,6 +84,36 @@ def answer_prompts(target, tokenizer, prompts: list, max_new_tokens: int = 256, 
         for row, index in enumerate(batch):
             rows[index] = answered_row(encoded[index], out[row, width:].tolist(), eos_ids)
     return rows
+
+
+BATCHES_PER_ROUND = 4
+
+
+def batch_plan(lengths: list[int], sampled: list[bool], batch_size: int, seed: int | str = 0) -> list[tuple]:
+    """The order in which prompts are answered: [(number of the batch among those of its kind, [prompt indices])].
+
+    The prompts of each kind (greedy, sampled) are shuffled (seeded per kind) and dealt into rounds of about
+    BATCHES_PER_ROUND batches; within a round they are sorted by length into batches (little padding). The rounds of
+    both kinds are spread evenly over the run, each batch at a seeded random place inside its round's stretch. A time
+    limit that stops the run part way has so answered a random sample of the prompts of each kind: sorting a whole
+    kind by length instead makes batches of one length stratum, and a cut then keeps or drops whole sources whose
+    prompts share a length (one run answered 146 of 8,000 math word problems of about 78 tokens each, against 3,851 of
+    7,832 ShareGPT first turns). A kind's batches depend only on its own prompts, so the sampled answers are the same
+    whether or not greedy answers are made beside them."""
+    placed = []  # (place in the run, number of the batch among its kind's, batch)
+    for kind in (False, True):
+        rng = random.Random(f"dflash2-distill:{seed}:{kind}")
+        indices = [i for i in range(len(lengths)) if sampled[i] == kind]
+        rng.shuffle(indices)
+        rounds = max(1, -(-len(indices) // (batch_size * BATCHES_PER_ROUND)))
+        number = 0
+        for r in range(rounds):
+            share = sorted(indices[len(indices) * r // rounds: len(indices) * (r + 1) // rounds],
+                           key=lengths.__getitem__)
+            for start in range(0, len(share), batch_size):
+                placed.append(((r + rng.random()) / rounds, number, share[start: start + batch_size]))
+                number += 1
+    return [(number, batch) for _, number, batch in sorted(placed, key=lambda item: item[0])]
 
 
 def answered_row(prompt: list[int], answer: list[int], eos_ids: list[int]) -> dict:
