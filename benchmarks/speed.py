@@ -290,9 +290,9 @@ def against_plain_graph(entry: dict) -> dict:
 
 def measure_round(results, call, encoded, drafter, device):
     ids = next(iter(encoded.values()))[0]  # the first task's first prompt
-    call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # no EOS is another core: build (and capture) it first
+    call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # the batch-1 runner (it serves every EOS set)
     waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))
-    runner = next(r for r in drafter.round_runners(batch=1) if not r.core.eos.numel())
+    runner = drafter.round_runners(batch=1)[-1]
     _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
     rounds_full = stats.target_forwards - 1
     _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)

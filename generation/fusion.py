@@ -1,22 +1,23 @@
-"""Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the round compiled ahead of
+"""Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the rounds compiled ahead of
 time in a child process.
 
-The first call of a shape decodes at once with the round it has (a CUDA graph of eager kernels, or eager rounds on a
+The first call of a shape decodes at once with the rounds it has (CUDA graphs of eager kernels, or eager rounds on a
 CPU) and starts a child process that builds the same round core from the configs (weights of no value: only shapes,
-dtypes and code matter), compiles its round with `torch.compile(...).aot_compile` (dynamo and inductor, ahead of
-time) and saves the result to disk. The weights are inputs of that round like its state, so the saved round holds
-none. A later call that finds it loads it (`torch.compiler.load_compiled_function`: no tracing, no compile), passes it
-the caller's own weights, buffers and state, checks one round against the eager round from the same state, and from
-then on runs it (captured as a CUDA graph on a GPU). A second process with the same shapes finds it and runs fused
-rounds from its first call.
+dtypes and code matter), compiles both its rounds, greedy and sampled, with `torch.compile(...).aot_compile` (dynamo
+and inductor, ahead of time) and saves them to disk in one package. The weights are inputs of those rounds like their
+state, and so are the sampling settings and EOS ids (tensors of the core): the saved rounds hold no weights and serve
+every setting. A later call that finds the package loads it (`torch.compiler.load_compiled_function`: no tracing, no
+compile), passes the rounds the caller's own weights, buffers and state, checks each against its eager round from
+the same state, and from then on runs them (captured as CUDA graphs on a GPU). A second process with the same shapes
+finds it and runs fused rounds from its first call, whatever its requests' settings.
 
 Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn.Module.__call__` process-wide while
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
 compile takes the interpreter for tens of seconds.
 
-This file holds what is compiled and how it is checked: the round as a program over the caller's tensors
-(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of a
-loaded round (`open_fused_round`, `agreement`). `background.py` runs the child and decides, in the caller, when to
+This file holds what is compiled and how it is checked: a round as a program over the caller's tensors
+(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of
+loaded rounds (`open_fused_rounds`, `agreement`). `background.py` runs the child and decides, in the caller, when to
 switch or to stay unfused.
 
 Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
@@ -32,14 +33,18 @@ import os
 import sys
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 
 from .round_core import RoundCore
+from .sampling import Sampling
 from .tree import DraftTree
 
 PACKAGE_FORMAT = 5  # bump when what a package holds changes
+# A package is a zip of the compiled rounds, one entry each: do_sample -> entry name (and the core's method)
+ROUND_ENTRIES = {False: "round", True: "sampled_round"}
 
 
 def round_weights(target, drafter) -> dict:
@@ -77,23 +82,26 @@ class _Round(torch.nn.Module):
         super().__init__()
         self.target, self.drafter = program.core.target, program.core.drafter
         self.bind, self.core = program.bind, program.core  # a method and a plain object: no submodules
+        self.round_name = program.round_name
 
     def forward(self, *state) -> torch.Tensor:
         self.bind(state)
-        RoundCore.round.__wrapped__(self.core)  # the round without its no_grad decorator (compiled under one)
+        getattr(RoundCore, self.round_name).__wrapped__(self.core)  # without its no_grad decorator (compiled under one)
         return self.core.output_length + 0
 
 
 class RoundProgram(torch.nn.Module):
-    """The round of a `RoundCore` as a module with no weights of its own: every input is a tensor of the caller, first
-    each weight and buffer of target and drafter (tied ones once), then every tensor of the core and of its caches,
-    which the round mutates in place. The compiled package therefore holds no constants: it runs on whatever weights
-    it is given, with nothing to copy or fold when it is loaded. (As buffers, the state would count as constants,
-    which the compiler may fold with the values it saw; as constants, the weights would be copied into the package.)"""
+    """A round of a `RoundCore` (greedy, or `sampled`) as a module with no weights of its own: every input is a tensor
+    of the caller, first each weight and buffer of target and drafter (tied ones once), then every tensor of the core
+    (sampling settings and EOS ids included) and of its caches, which the round mutates in place. The compiled
+    package therefore holds no constants: it runs on whatever weights and settings it is given, with nothing to copy
+    or fold when it is loaded. (As buffers, the state would count as constants, which the compiler may fold with the
+    values it saw; as constants, the weights would be copied into the package.)"""
 
-    def __init__(self, core: RoundCore):
+    def __init__(self, core: RoundCore, sampled: bool = False):
         super().__init__()
         self.core = core  # a plain object, not a module
+        self.round_name = ROUND_ENTRIES[sampled]
         self._state = core_tensor_names(core)
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
@@ -122,6 +130,10 @@ class RoundProgram(torch.nn.Module):
 
     def inputs(self) -> tuple:
         return (*self.weights(), *self.state())
+
+    def eager(self) -> None:
+        """The same round, run by the core itself (eager kernels)."""
+        getattr(self.core, self.round_name)()
 
     def bind(self, tensors) -> None:
         """Point the core at `tensors` (under tracing: the traced stand-ins of its own)."""
@@ -162,17 +174,18 @@ def spec_of(core: RoundCore) -> dict:
         "drafter_config": drafter.config,
         "dtype": {"target": str(target.dtype), "drafter": str(drafter.dtype)},
         "device": str(core.device),
-        "batch": core.batch, "capacity": core.capacity, "sampling": core.sampling, "tree_nodes": core.tree_nodes,
-        "eos": core.eos.tolist(), "bucketed_prefill": core.bucketed_prefill,
+        "batch": core.batch, "capacity": core.capacity, "bucketed_prefill": core.bucketed_prefill,
+        "tree_nodes": core.tree_nodes,
         "weights": weights_signature(target, drafter), "state": state_signature(core),
         "fusion_module": __name__,
-        "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__,
-                                type(core.sampling).__module__, type(drafter).__mro__[1].__module__}),
+        "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__, Sampling.__module__,
+                                type(drafter).__mro__[1].__module__}),
     }
 
 
 def package_key(spec: dict) -> str:
-    """Changes with anything that changes the compiled round: shapes, configs, dtypes, device, code, versions."""
+    """Changes with anything that changes the compiled rounds: shapes, configs, dtypes, device, code, versions (not
+    the sampling settings or EOS ids: tensors the rounds read)."""
     import transformers
 
     device = torch.device(spec["device"])
@@ -183,11 +196,10 @@ def package_key(spec: dict) -> str:
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
         code.update(name.encode() + Path(source).read_bytes())
-    described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config", "sampling")},
+    described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config")},
                            sort_keys=True, default=str)
     parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
-             repr(spec["sampling"]), str(hardware), *toolchain_versions(device), transformers.__version__,
-             code.hexdigest()]
+             str(hardware), *toolchain_versions(device), transformers.__version__, code.hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -206,8 +218,8 @@ def toolchain_versions(device: torch.device) -> list[str]:
 
 
 def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
-    """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, the round
-    compiled ahead of time with its weights as inputs, loaded and checked against the eager round once; written
+    """In the child: the core from the configs (uninitialised weights), one prefill to allocate its caches, both rounds
+    compiled ahead of time with their weights as inputs, loaded and checked against the eager rounds; written
     atomically to `path` (built in `scratch`, a folder on the same file system: a new temporary one by default)."""
     import importlib
 
@@ -234,59 +246,77 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         raise RuntimeError("the core built from the configs has other weights than the caller's ("
                            f"{first_differences(weights_signature(target, drafter), spec['weights'])}); its compiled "
                            "round would not take the caller's weights")
-    core = RoundCore(target, drafter, spec["batch"], spec["capacity"], spec["sampling"], spec["eos"],
-                     bucketed_prefill=spec["bucketed_prefill"], tree_nodes=spec["tree_nodes"])
+    core = RoundCore(target, drafter, spec["batch"], spec["capacity"], bucketed_prefill=spec["bucketed_prefill"],
+                     tree_nodes=spec["tree_nodes"])
     ids = torch.zeros(spec["batch"], core.block_size, dtype=torch.long)
     core.prefill(ids, torch.ones_like(ids), 1)
     if state_signature(core) != spec["state"]:  # the guards of the compiled round would refuse the caller's state
         raise RuntimeError("the core built from the spec has other state tensors than the caller's ("
                            f"{first_differences(state_signature(core), spec['state'])}); not built")
-    program = RoundProgram(core)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
+        partial = Path(folder) / path.name
+        with zipfile.ZipFile(partial, "w") as package:
+            for sampled, entry in ROUND_ENTRIES.items():
+                saved = Path(folder) / entry
+                compile_round(RoundProgram(core, sampled)).save_compiled_function(str(saved))
+                package.write(saved, entry)
+        # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
+        # process on the H200) or disagrees ends this child, never the caller, and is never published
+        if load_fused_rounds(core, partial) is None:
+            raise RuntimeError("the package built here failed its own check; not published")
+        os.replace(partial, path)
+
+
+def compile_round(program: RoundProgram):
+    """`program`'s round compiled ahead of time (`aot_compile`), its core's tensors bound back after the trace."""
     real = program.state()
     # guards: only tensor metadata and global state (grad mode), which the caller's inputs match by construction; the
-    # check below and the caller's own check compare rounds, not guards
+    # checks of the package compare rounds, not guards
     keep = getattr(torch.compiler, "keep_portable_guards_unsafe", torch.compiler.skip_all_guards_unsafe)
     gate = getattr(torch._dynamo.config, "enable_aot_compile", None)  # needed where the API is still gated
     with torch.no_grad(), torch._dynamo.config.patch(**({"enable_aot_compile": True} if gate is not None else {})):
         compiled = torch.compile(program.forward, fullgraph=True, options={"guard_filter_fn": keep}).aot_compile(
             (program.inputs(), {}))
     program.bind(real)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
-        partial = Path(folder) / path.name
-        compiled.save_compiled_function(str(partial))
-        # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
-        # process on the H200) or disagrees ends this child, never the caller, and is never published
-        if load_fused_round(core, partial) is None:
-            raise RuntimeError("the package built here failed its own check; not published")
-        os.replace(partial, path)
+    return compiled
 
 
-def open_fused_round(core: RoundCore, path: Path):
-    """(the saved round over `core`'s own weights, buffers and state, None), or (None, why it cannot be used): it fails
-    to load or run, or it disagrees with the eager round (`agreement`)."""
-    program = RoundProgram(core)
-    inputs = program.inputs()
+def open_fused_rounds(core: RoundCore, path: Path):
+    """({do_sample: the saved round over `core`'s own weights, buffers and state}, None), or (None, why they cannot be
+    used): the package fails to load or run, or a round disagrees with its eager round (`agreement`; the sampled one
+    with every warping active, `sampled_agreement`)."""
+    programs = {sampled: RoundProgram(core, sampled) for sampled in ROUND_ENTRIES}
     try:
-        with open(path, "rb") as f:
-            compiled = torch.compiler.load_compiled_function(f)
-
-        def fused() -> None:
-            with torch.no_grad():  # as it was compiled (a guard)
-                compiled(program, *inputs)
-
-        differences = agreement(core, program, fused)
+        with zipfile.ZipFile(path) as package:
+            fused = {sampled: loaded_round(program, package.open(ROUND_ENTRIES[sampled]))
+                     for sampled, program in programs.items()}
+        differences = agreement(core, programs[False], fused[False])
+        if not differences:
+            differences = sampled_agreement(core, programs[True], fused[True])
     except Exception as error:  # noqa: BLE001 - any failure leaves the unfused round in place
-        return None, f"the fused round in {path} could not be used ({type(error).__name__}: {error})"
+        return None, f"the fused rounds in {path} could not be used ({type(error).__name__}: {error})"
     if differences:
-        return None, (f"the fused round in {path} disagreed with the eager round on each of {CHECK_ROUNDS} rounds "
+        return None, (f"a fused round in {path} disagreed with the eager round on each of {CHECK_ROUNDS} rounds "
                       f"(last: {'; '.join(differences)})")
     return fused, None
 
 
-def load_fused_round(core: RoundCore, path: Path):
-    """`open_fused_round`'s round, or None with a warning saying why."""
-    fused, why = open_fused_round(core, path)
+def loaded_round(program: RoundProgram, file):
+    """The compiled round saved in `file`, as a call over `program`'s core's own tensors."""
+    compiled = torch.compiler.load_compiled_function(file)
+    inputs = program.inputs()
+
+    def fused() -> None:
+        with torch.no_grad():  # as it was compiled (a guard)
+            compiled(program, *inputs)
+
+    return fused
+
+
+def load_fused_rounds(core: RoundCore, path: Path):
+    """`open_fused_rounds`'s rounds, or None with a warning saying why."""
+    fused, why = open_fused_rounds(core, path)
     if why is not None:
         warnings.warn(f"DFlash 2: {why}; decoding with the unfused round.", stacklevel=2)
     return fused
@@ -309,6 +339,9 @@ class preserved:
 
 
 CHECK_ROUNDS = 3
+# the settings the sampled round is checked with, whatever the request's: every warping active (top-k below the
+# vocabulary of any model), with noise from a fixed seed
+CHECK_SAMPLING = Sampling(True, temperature=0.7, top_k=20, top_p=0.9)
 # relative error (norm of the difference over the norm of the eager tensor) allowed in floating state: other kernels
 # round otherwise, and in half precision that shows after thirty layers (about 1e-2 in the caches); a package that
 # runs on the wrong weights or state is off by order one
@@ -318,8 +351,8 @@ HALF_TOLERANCE = 5e-2
 
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
-    """Runs one round eager and one fused from the same state; [] when they agree (integer state equal, floating state
-    within `FLOAT_TOLERANCE`), else what differed. A greedy draft can flip on a near tie in half precision, so a
+    """Runs `program`'s round eager and `fused` from the same state; [] when they agree (integer state equal, floating
+    state within `FLOAT_TOLERANCE`), else what differed. A draft can flip on a near tie in half precision, so a
     disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
     restored after."""
     names = program.state_names()
@@ -327,7 +360,7 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
     with preserved(core):
         for _ in range(rounds):
             with preserved(core):
-                core.round()
+                program.eager()
                 eager = {name: tensor.clone() for name, tensor in buffers.items()}
             with preserved(core):
                 fused()
@@ -335,8 +368,20 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
                                if (difference := differs(name, buffers[name], eager[name])) is not None]
             if not differences:
                 return []
-            core.round()  # the next check starts where the eager round left off
+            program.eager()  # the next check starts where the eager round left off
     return differences
+
+
+@torch.no_grad()
+def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str]:
+    """`agreement` of the sampled round under `CHECK_SAMPLING` on every row and seeded noise (settings and noise are
+    core tensors: restored after, with the rest of the state)."""
+    with preserved(core):
+        core.temperature.fill_(CHECK_SAMPLING.temperature)
+        core.top_k.fill_(CHECK_SAMPLING.top_k)
+        core.top_p.fill_(CHECK_SAMPLING.top_p)
+        core.draw_noise(torch.Generator(core.device).manual_seed(0))
+        return agreement(core, program, fused)
 
 
 def differs(name: str, fused: torch.Tensor, eager: torch.Tensor) -> str | None:

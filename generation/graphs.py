@@ -7,6 +7,12 @@ caches, so later processes compile faster) and that is captured. With `compile="
 of time in a child process replaces it once it exists (`background.py`, `RoundRunner.use_fused`). A replayed graph
 consults no dynamo guard: a prompt of a new length never compiles or captures anything.
 
+A core has two rounds, greedy (`RoundCore.round`) and sampled (`RoundCore.sampled_round`). Where rounds are captured,
+both are captured (compiled first with `compile=True`) when the runner is built, and both fused ones when it switches
+to a package; the two graphs share one memory pool, since they never run at once. The sampling settings and EOS ids
+are tensors the rounds read, so a new temperature, top-k, top-p or EOS set compiles and captures nothing either: each
+call runs the round its request's `do_sample` picks.
+
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
 all when the core is built: an eager prefill of a small target is bound by kernel launches (tens of milliseconds on
 the H200's host, as long as dozens of rounds), a replay is not. Prompts longer than the largest bucket prefill eagerly.
@@ -69,16 +75,17 @@ def clear_cublas_workspaces() -> None:
 
 
 class RoundRunner:
-    """Runs `core.round` one of three ways, chosen once per core.
+    """Runs `core.round` (greedy) and `core.sampled_round` one of three ways, chosen once per core.
 
-    "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager round captured as a CUDA
-    graph. "compile": `torch.compile` (inductor) on first use, then captured when `capture` (one CUDA device).
-    With `capture`, the prefill is captured per bucket as well (`prefill`).
+    "eager": plain calls (CPU, or a target spread over several devices). "graph": the eager rounds captured as CUDA
+    graphs. "compile": `torch.compile` (inductor), then captured when `capture` (one CUDA device; both rounds compile
+    before the first call), else compiled on each round's first use. With `capture`, the prefill is captured per
+    bucket as well (`prefill`).
 
     Public, for benchmarks and tests (through `DFlash2Drafter.round_runners`): `kind` (how its rounds run now, e.g.
-    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers and round),
-    `mode`, `fusion` (a `background.BackgroundFusion` with compile="background", else None), calling it (one round),
-    `prefill` and `release`.
+    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers, rounds and
+    the current request's settings), `mode`, `fusion` (a `background.BackgroundFusion` with compile="background",
+    else None), calling it (one round of the kind `core.do_sample` picks), `prefill` and `release`.
     """
 
     def __init__(self, core: RoundCore, mode: str, capture: bool = True):
@@ -86,38 +93,42 @@ class RoundRunner:
         self.captured = captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds both
         self.prefill_graphs = self._capture_prefills(core) if captured else {}
         self.fusion = None  # a BackgroundFusion when compile="background" (set by decode.round_runner_for)
+        rounds = (core.round, core.sampled_round)
         if mode == "eager":
-            self._step, self.kind = core.round, "eager"
+            steps, self.kind = rounds, "eager"
         elif mode == "graph":
-            self._step, self.kind = CapturedGraph(core.round), "graph (eager kernels)"
+            steps, self.kind = capture_rounds(rounds), "graph (eager kernels)"
         elif mode == "compile":
-            compiled = torch.compile(core.round, mode="default", dynamic=False)
+            compiled = [torch.compile(fn, mode="default", dynamic=False) for fn in rounds]
             if captured:
                 core.round()  # eager once: builds the lazily allocated cache buffers outside the compiled graph
-                self._step, self.kind = CapturedGraph(compiled), "graph (fused)"
+                steps, self.kind = capture_rounds(compiled), "graph (fused)"
             else:
-                self._step, self.kind = compiled, "compiled"
+                steps, self.kind = compiled, "compiled"
         else:
             raise ValueError(f"unknown round mode {mode!r}")
+        self._steps = dict(zip((False, True), steps))  # do_sample -> its round
 
     def __call__(self) -> None:
-        self._step()
+        self._steps[self.core.do_sample]()
 
     def release(self) -> None:
         """Free the captured graphs now (rather than when the runner is collected); the runner is unusable after."""
-        for graph in (self._step, *self.prefill_graphs.values()):
+        for graph in (*self._steps.values(), *self.prefill_graphs.values()):
             if isinstance(graph, CapturedGraph):
                 graph.release()
-        self._step, self.prefill_graphs, self.kind = self.released, {}, "released"
+        self._steps = {False: self.released, True: self.released}
+        self.prefill_graphs, self.kind = {}, "released"
 
     @staticmethod
     def released() -> None:
         raise RuntimeError("This round runner was released (drafter.release() or detach); generate builds a new one.")
 
-    def use_fused(self, fused) -> None:
-        """From now on run `fused` (the same round, compiled ahead of time over the core's own tensors): captured
-        when this runner captures, else called."""
-        self._step = CapturedGraph(fused) if self.captured else fused
+    def use_fused(self, fused: dict) -> None:
+        """From now on run `fused` ({do_sample: the same round, compiled ahead of time over the core's own tensors}):
+        captured when this runner captures, else called."""
+        rounds = (fused[False], fused[True])
+        self._steps = dict(zip((False, True), capture_rounds(rounds) if self.captured else rounds))
         self.kind = "graph (fused ahead of time)" if self.captured else "fused ahead of time"
 
     def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
@@ -135,3 +146,10 @@ class RoundRunner:
         pool = torch.cuda.graph_pool_handle()
         return {width: CapturedGraph(functools.partial(core.encode_prompt, width), pool=pool, warmup=1)
                 for width in PREFILL_BUCKETS if width + core.block_size <= core.capacity}
+
+
+def capture_rounds(rounds) -> list:
+    """Each round captured as a graph, all in one memory pool: rounds never run at once, and every one writes its
+    results into the core's fixed buffers, so their temporaries may share memory."""
+    pool = torch.cuda.graph_pool_handle()
+    return [CapturedGraph(fn, pool=pool) for fn in rounds]

@@ -1,6 +1,8 @@
 """Greedy and exact speculative acceptance, target-side warping and the randomness of a round, vectorised over rows.
 
 DFlash 2's own loops support temperature, top-k and top-p (transformers' assisted loop honours every logits processor).
+In the own loop's round they are data, not code: per-row tensors (`row_warped_probabilities`, `draft_temperature`,
+`first_token`), so one captured or compiled round serves every setting.
 """
 
 from __future__ import annotations
@@ -24,13 +26,30 @@ class Sampling:
         return cls(bool(config.do_sample), config.temperature or 1.0, config.top_k or 0, config.top_p or 1.0)
 
 
+# EOS ids one request of the own loop may stop at: its round holds them in a fixed buffer, padded with -1
+MAX_EOS_TOKENS = 16
+
+
 def eos_token_ids(generation_config) -> list[int]:
     eos = generation_config.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    padded_eos_ids(ids)  # refused here, before any buffer is built for the request
+    return ids
+
+
+def padded_eos_ids(ids) -> list[int]:
+    """The distinct EOS ids, padded with -1 to `MAX_EOS_TOKENS` (no token is -1); one clear error beyond it."""
+    distinct = sorted({int(i) for i in ids})
+    if len(distinct) > MAX_EOS_TOKENS:
+        raise ValueError(f"eos_token_id lists {len(distinct)} distinct ids; DFlash 2's own loop stops at up to "
+                         f"{MAX_EOS_TOKENS}. Pass the ids that end a turn only, or use one prompt without "
+                         "cache_implementation='static' for transformers' assisted loop.")
+    return distinct + [-1] * (MAX_EOS_TOKENS - len(distinct))
 
 
 def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """softmax of temperature/top-k/top-p-warped logits (fp32), as transformers' warpers compute them."""
+    """softmax of temperature/top-k/top-p-warped logits (fp32), as transformers' warpers compute them, for one setting:
+    the plain reference `row_warped_probabilities` (the rounds' per-row version) is tested against."""
     logits = logits.float() / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
@@ -43,6 +62,28 @@ def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tens
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits.softmax(-1)
+
+
+def row_warped_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor) -> torch.Tensor:
+    """`warped_probabilities` with each row's own setting, read from tensors: logits [b, ..., V]; temperature [b]
+    (fp32), top_k [b] (long, 0: off), top_p [b] (fp64, 1.0: off). No value is read on the host, so a captured or
+    compiled round serves every setting. One ascending sort serves both cuts: the top-k cut removes a prefix of it
+    (the values below the k-th largest), and top-p's cumulative is taken over what is left, as transformers applies
+    top-p after top-k. top_p is fp64 so that `1 - top_p` rounds to the threshold transformers compares against."""
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    per_row = (batch,) + (1,) * (logits.dim() - 1)
+    logits = logits.float() / temperature.view(per_row)
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: [b, ..., V]
+    k = top_k.view(per_row)
+    kth = sorted_logits.gather(-1, (vocab - k).clamp(0, vocab - 1).expand(*sorted_logits.shape[:-1], 1))
+    remove_sorted = (sorted_logits < kth) & (k > 0) & (k < vocab)
+    cumulative = cumulative_probabilities(sorted_logits.masked_fill(remove_sorted, float("-inf")))
+    p = top_p.view(per_row)
+    remove_sorted = remove_sorted | ((cumulative <= (1 - p).float()) & (p < 1))
+    remove_sorted[..., -1:] = False  # keep at least one token
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf")).softmax(-1)
 
 
 def _cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
@@ -88,17 +129,20 @@ def greedy_accept(drafts, target_logits):
     return accepted, target_tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
 
 
-def first_token(logits, sampling: Sampling, generator=None):
-    """The token after the prefill, per row: argmax, or a sample from the warped distribution."""
-    if not sampling.do_sample:
+def first_token(logits, do_sample: bool, temperature, top_k, top_p, generator=None):
+    """The token after the prefill, per row (logits [b, V]): argmax, or a sample from the row's warped distribution
+    (settings as in `row_warped_probabilities`)."""
+    if not do_sample:
         return logits.argmax(-1)
-    return torch.multinomial(warped_probabilities(logits, sampling), 1, generator=generator).squeeze(-1)
+    probabilities = row_warped_probabilities(logits, temperature, top_k, top_p)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-def draft_temperature(sampling: Sampling):
-    """Draft side: temperature only (q need not match p for exactness; it only sets the acceptance rate)."""
+def draft_temperature(temperature: torch.Tensor):
+    """Draft side: each row's temperature [b] only (q need not match p for exactness; it only sets the acceptance
+    rate)."""
 
     def transform(t, drafted, scores, candidates=None):
-        return scores / sampling.temperature
+        return scores / temperature.view(-1, 1)
 
     return transform

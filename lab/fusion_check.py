@@ -40,8 +40,8 @@ def main(argv=None):
     device = drafter.device
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
                for p in task_prompts("humaneval", args.num_prompts, skip=args.skip)]
-    # the tokenizer's EOS, as a user's calls (and speed.py's cold start and steady state) have it: the package built
-    # here is the one a second process's first call finds
+    # the tokenizer's EOS, as a user's calls (and speed.py's cold start and steady state) have it (the package built
+    # here, the one a second process's first call finds, serves every EOS set and sampling setting)
     common = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
                   cache_implementation="static", assistant_model=drafter)
 

@@ -140,14 +140,13 @@ def profile(target, drafter, context: int, compile: bool, replays: int) -> dict:
     from dflash2.benchmarks.plain_graph import device_ms, time_forward
     from dflash2.generation.decode import capacity_for, uses_graphs
     from dflash2.generation.round_core import RoundCore, prefill_width
-    from dflash2.generation.sampling import Sampling
 
     capture = uses_graphs(target, drafter)
     device, block = drafter.device, drafter.config.block_size
     max_new_tokens = 2 * block  # the rows finish within the first replays, then freeze (same kernels, no overrun)
     width = prefill_width(context, block, bucketed=capture)
     capacity = capacity_for(width + max_new_tokens + block, capture)
-    core = RoundCore(target, drafter, 1, capacity, Sampling(), eos_token_ids=(), bucketed_prefill=capture)
+    core = RoundCore(target, drafter, 1, capacity, bucketed_prefill=capture)  # greedy, no EOS: its initial settings
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), max_new_tokens)

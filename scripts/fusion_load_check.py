@@ -38,7 +38,8 @@ def tiny_core(device: str):
 
     target = tiny_target("llama", seed=2).to(device)
     drafter = tiny_drafter(target, seed=3, block_size=4).to(device).attach(target)
-    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
+    core = RoundCore(target, drafter, 1, 64)
+    core.set_sampling(Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0)).to(device)
     core.prefill(ids, torch.ones_like(ids), 40)
     return core
@@ -65,7 +66,7 @@ def run_case(case: str, folder: Path, device: str) -> None:
         core = tiny_core(device)
         fusion.build_package(fusion.spec_of(core), round_path)
         print("built", round_path.stat().st_size, "bytes", flush=True)
-        print("used" if fusion.load_fused_round(core, round_path) is not None else "refused", flush=True)
+        print("used" if fusion.load_fused_rounds(core, round_path) is not None else "refused", flush=True)
     elif case in ("round-fresh", "round-after-graph"):
         core = tiny_core(device)
         if case == "round-after-graph" and device == "cuda":
@@ -75,7 +76,7 @@ def run_case(case: str, folder: Path, device: str) -> None:
                 x.add_(1)
             graph.replay()
             print("captured a graph", flush=True)
-        print("used" if fusion.load_fused_round(core, round_path) is not None else "refused", flush=True)
+        print("used" if fusion.load_fused_rounds(core, round_path) is not None else "refused", flush=True)
 
 
 def main(argv=None) -> int:

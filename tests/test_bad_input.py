@@ -161,6 +161,21 @@ def test_an_empty_prompt_is_refused_in_every_loop(pair, batch, loop):
         "token, so it needs at least one. Pass a non-empty prompt (the chat template's output, or the BOS token "
         "alone: torch.tensor([[tokenizer.bos_token_id]])).")
 
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_more_eos_ids_than_the_own_loop_holds_are_refused(pair, batch):
+    """The own loop's round holds the EOS ids in a fixed buffer: more are refused before any buffer is built."""
+    target, drafter = pair
+    runners = drafter.round_runners()
+    ids = torch.tensor([[5, 6]] * batch)
+    with pytest.raises(ValueError) as error:
+        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, assistant_model=drafter,
+                        cache_implementation="static", eos_token_id=list(range(4, 21)))
+    assert str(error.value) == (
+        "eos_token_id lists 17 distinct ids; DFlash 2's own loop stops at up to 16. Pass the ids that end a turn only, "
+        "or use one prompt without cache_implementation='static' for transformers' assisted loop.")
+    assert drafter.round_runners() == runners
+
 # ------------------------------------------------------------------------------------------------ statistics
 def test_builtin_dflash_path_fills_last_stats(pair):
     """transformers' own DFlash loop: one round per target forward (prefill included), the new tokens, and

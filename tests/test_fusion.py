@@ -1,6 +1,6 @@
-"""compile="background": the round compiled ahead of time (`aot_compile`) in a child process, loaded into
-the caller, run on the caller's own weights, buffers and state (its inputs: the package holds no weights), checked,
-then used; a second process finds the package.
+"""compile="background": the rounds (greedy and sampled) compiled ahead of time (`aot_compile`) in a child process,
+loaded into the caller, run on the caller's own weights, buffers, state and sampling settings (their inputs: the
+package holds no weights and serves every setting), checked, then used; a second process finds the package.
 
 Inductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine and the GPU image have one)."""
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from dflash2.generation import background, fusion
 from dflash2.generation.round_core import RoundCore
@@ -22,43 +21,51 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="inductor on a CPU needs a C++ compiler")
 
 
+# per-row settings of a batch of three: greedy; then three sampled rows, each warped otherwise (the last with a
+# temperature only); then the same three again with the EOS set changed
+GREEDY = [Sampling()] * 3
+SAMPLED = [Sampling(True, 0.8, 0, 0.9), Sampling(True, 1.3, 5, 1.0), Sampling(True, 0.6, 0, 1.0)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("settings,bucketed", [(dict(do_sample=False), True),
-                                              (dict(do_sample=True, temperature=0.8, top_p=0.9), False)],
-                         ids=["greedy-bucketed-prefill", "sampled"])
-def test_package_runs_the_round_on_the_callers_own_tensors(tmp_path, settings, bucketed):
-    """Built from the configs alone (uninitialised weights), the package runs rounds over our weights and buffers:
-    five fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats
-    (sampled rounds: the same noise drawn into the core's buffers before each). The target ties its LM head to its
-    embeddings, as SmolLM2 does: one weight input, in the child as in the caller. With a bucketed prefill (as the
-    graph runner on CUDA has it) the core's prompt buffers are wider: the child builds them as wide."""
+@pytest.mark.parametrize("bucketed", [True, False], ids=["bucketed-prefill", "unbucketed"])
+def test_package_runs_the_rounds_on_the_callers_own_tensors(tmp_path, bucketed):
+    """Built from the configs alone (uninitialised weights) and once, the package runs both rounds over our weights,
+    buffers and settings: for greedy rows and for sampled rows with other settings per row and another EOS set, five
+    fused rounds leave exactly the tokens, lengths and counters five eager rounds leave, and close floats (sampled
+    rounds: the same noise drawn into the core's buffers before each). The target ties its LM head to its embeddings,
+    as SmolLM2 does: one weight input, in the child as in the caller. With a bucketed prefill (as the graph runner on
+    CUDA has it) the core's prompt buffers are wider: the child builds them as wide."""
     target = tiny_target("llama", seed=2, tied=True)
     assert target.lm_head.weight is target.model.embed_tokens.weight
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    sampling = Sampling.from_generation_config(GenerationConfig(**settings))
-    core = RoundCore(target, drafter, 1, 64, sampling, (2,), bucketed_prefill=bucketed)
-    ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
-    core.prefill(ids, torch.ones_like(ids), 40)
+    core = RoundCore(target, drafter, 3, 64, bucketed_prefill=bucketed)
+    ids = torch.randint(4, VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
+    core.prefill(ids, torch.ones_like(ids), 40)  # the caches exist: the package can be checked over them
     path = tmp_path / "fused.round"
     fusion.build_package(fusion.spec_of(core), path)
     assert path.stat().st_size < 2 ** 20 * 8  # no weights inside
-    fused = fusion.load_fused_round(core, path)
-    assert fused is not None
+    fused = fusion.load_fused_rounds(core, path)
+    assert fused is not None and set(fused) == {False, True}
     tensors = dict(enumerate(fusion.RoundProgram(core).state()))
-    with fusion.preserved(core):
+    for settings, eos in ((GREEDY, (2,)), (SAMPLED, (2,)), (SAMPLED, (7, 11))):
+        core.set_sampling(settings, eos)
+        core.prefill(ids, torch.ones_like(ids), 40, generator=torch.Generator().manual_seed(1))
+        eager_round = core.sampled_round if core.do_sample else core.round
+        with fusion.preserved(core):
+            for round_index in range(5):
+                core.draw_noise(torch.Generator().manual_seed(round_index))
+                eager_round()
+            eager = {name: t.clone() for name, t in tensors.items()}
         for round_index in range(5):
-            core.draw_noise(torch.Generator().manual_seed(round_index)) if sampling.do_sample else None
-            core.round()
-        eager = {name: t.clone() for name, t in tensors.items()}
-    for round_index in range(5):
-        core.draw_noise(torch.Generator().manual_seed(round_index)) if sampling.do_sample else None
-        fused()
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point():
-            assert torch.allclose(tensor, eager[name], atol=1e-4, rtol=1e-4), name
-        else:
-            assert torch.equal(tensor, eager[name]), name
-    assert int(core.rounds[0]) >= 5 and int(core.output_length[0]) > 5
+            core.draw_noise(torch.Generator().manual_seed(round_index))
+            fused[core.do_sample]()
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point():
+                assert torch.allclose(tensor, eager[name], atol=1e-4, rtol=1e-4), (settings, name)
+            else:
+                assert torch.equal(tensor, eager[name]), (settings, name)
+        assert int(core.rounds.max()) == 5 and int(core.output_length.max()) > 5
 
 
 def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
@@ -66,8 +73,7 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
     the caller: the child says so before compiling anything, and publishes nothing."""
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,),
-                     bucketed_prefill=True)
+    core = RoundCore(target, drafter, 1, 64, bucketed_prefill=True)
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)
     spec = fusion.spec_of(core)
@@ -81,21 +87,25 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
+    core = RoundCore(target, drafter, 1, 64)
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     core.prefill(ids, torch.ones_like(ids), 20)
     path = tmp_path / "fused.round"
     fusion.build_package(fusion.spec_of(core), path)
-    real_round = RoundCore.round  # the eager round now differs from what was compiled: the check must notice
-    monkeypatch.setattr(RoundCore, "round", lambda self: (real_round(self), self.output_length.add_(1)))
-    with pytest.warns(UserWarning, match="disagreed with the eager round"):
-        assert fusion.load_fused_round(core, path) is None
+    for name in fusion.ROUND_ENTRIES.values():  # one eager round now differs from what was compiled: noticed
+        with monkeypatch.context() as patch:
+            real_round = getattr(RoundCore, name)
+            patch.setattr(RoundCore, name, lambda self, real=real_round: (real(self), self.output_length.add_(1)))
+            with pytest.warns(UserWarning, match="disagreed with the eager round"):
+                assert fusion.load_fused_rounds(core, path) is None
+    assert fusion.load_fused_rounds(core, path) is not None
 
 
 def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, monkeypatch):
     """First call: unfused rounds at once, a child builds the package. Once it is there the next call checks and
-    switches to it; outputs equal plain greedy throughout. A fresh set of cores (a second process) finds the package
-    and uses it from its first call, with no child."""
+    switches to it; outputs equal plain greedy throughout. Sampling with a new setting and another EOS set then runs
+    on the same runner, fused, with no new child or package. A fresh set of cores (a second process) finds the package
+    and uses it from its first call, a sampled one, with no child."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     target = tiny_target("qwen3", seed=4)
     drafter = tiny_drafter(target, seed=5, block_size=4).attach(target)
@@ -113,10 +123,20 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
         runner = both(prompts[1])
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
     both(prompts[2])
+    sampled = dict(max_new_tokens=24, do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[5, 6],
+                   assistant_model=drafter, cache_implementation="static", compile="background")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.generate(prompts[2], **sampled)
+    assert drafter.round_runners() == [runner] and runner.kind == "fused ahead of time"
+    assert runner.core.do_sample and runner.core.eos_token_ids == [5, 6]
+    both(prompts[1])  # greedy again on the same runner
 
     drafter.release()  # as in a new process: no cores, the package on disk
-    runner = both(prompts[3])
+    target.generate(prompts[3], **sampled)
+    (runner,) = drafter.round_runners()
     assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+    assert both(prompts[3]) is runner
     assert len(list(tmp_path.rglob("*.round"))) == 1
 
 
@@ -390,7 +410,7 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
 
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64, Sampling.from_generation_config(GenerationConfig(do_sample=False)), (2,))
+    core = RoundCore(target, drafter, 1, 64)
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     core.prefill(ids, torch.ones_like(ids), 40)
     program = fusion.RoundProgram(core)
@@ -425,7 +445,6 @@ def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypat
     monkeypatch.setattr(decode, "BackgroundFusion", lambda runner: made.append(runner) or "building")
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    sampling = Sampling.from_generation_config(GenerationConfig(do_sample=False))
-    runner = decode.round_runner_for(target, drafter, 1, 40, sampling, (2,), compile, graphs)
+    runner = decode.round_runner_for(target, drafter, 1, 40, compile, graphs)
     assert (runner.fusion == "building") is background and len(made) == int(background)
     assert runner.mode == ("compile" if compile is True else ("graph" if graphs else "eager"))

@@ -201,6 +201,26 @@ def test_unusable_caches_get_one_clear_error():
                         **settings)
 
 
+def test_own_loop_follow_up_with_other_sampling_settings_continues_the_cache():
+    """Sampling settings and EOS ids are data of the buffers, not part of them: a sampled follow-up (other EOS ids) on
+    a greedy turn's cache, then a greedy turn on the sampled one's, each encode only their new tokens, on one runner;
+    the last equals plain greedy on the whole conversation."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    static = dict(assistant_model=drafter, max_new_tokens=NEW_TOKENS, cache_implementation="static",
+                  return_dict_in_generate=True)
+    ids = torch.tensor([user_turns(1)[0][0]])
+    turn = target.generate(ids, do_sample=False, eos_token_id=None, **static)
+    for extra, settings in (([7, 8, 9], dict(do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[40, 41])),
+                            ([10, 11], dict(do_sample=False, eos_token_id=None))):
+        conversation = torch.cat([turn.sequences, torch.tensor([extra])], dim=1)
+        with ForwardWidths(target) as forwards:
+            turn = target.generate(conversation, past_key_values=turn.past_key_values, **settings, **static)
+        assert forwards.widths[0] < conversation.shape[1] - ids.shape[1], settings  # a tail, not the conversation
+    assert turn.sequences[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
+    assert len(drafter.round_runners()) == 1
+
+
 # ------------------------------------------------------------------------------------------------ sampling
 @pytest.mark.slow
 def test_follow_up_sampling_with_a_reused_cache_follows_the_target():

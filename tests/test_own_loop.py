@@ -1,6 +1,7 @@
 """DFlash 2's own loop (the round core): one prompt with cache_implementation="static", and batches (each row equals
 plain greedy of that row alone); exact sampling; the vectorised pieces against naive loops."""
 
+import functools
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from dflash2.generation import attached_drafter
 from dflash2.generation.round_core import RoundCore
 from dflash2.training.decoding import left_padded as left_pad
-from dflash2.generation.sampling import Sampling, speculative_accept, warped_probabilities
+from dflash2.generation.sampling import Sampling, row_warped_probabilities, speculative_accept, warped_probabilities
 from helpers import (EOS, VOCAB, assert_follows, check_sampling_is_exact, exact_distribution_of_step, sampling_case,
                      tiny_drafter, tiny_target)
 
@@ -235,22 +236,22 @@ def test_one_set_of_buffers_serves_every_prompt_length(oracle):
     assert max(runner.core.capacity for runner in drafter.round_runners()) >= 2 * core.capacity
 
 
-def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
-    """The GPU path's logic on the CPU: a stand-in for CUDA graphs calls the function it would capture. Prompts are
-    left-padded to their prefill bucket, the bucket's graph replays their encoding (captured once, when the core is
-    built), a prompt beyond the largest bucket encodes eagerly, and every output equals plain greedy."""
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """The GPU path's logic on the CPU: a stand-in for CUDA graphs records each capture (a prefill bucket's width, or
+    a round's name) and calls the function it would have captured on each replay. Returns (captured, replayed)."""
     from dflash2.generation import decode, graphs
-    from dflash2.generation.round_core import PREFILL_BUCKETS
 
-    replayed, captured = [], []
+    captured, replayed = [], []
 
     class Replay:  # what CapturedGraph would do, minus the graph: record the capture, run `fn` on each call
         def __init__(self, fn, pool=None, warmup=1):
-            self.fn, self.width = fn, getattr(fn, "args", ("round",))[0]
-            captured.append(self.width)
+            self.fn = fn
+            self.name = fn.args[0] if isinstance(fn, functools.partial) else fn.__name__
+            captured.append(self.name)
 
         def __call__(self):
-            replayed.append(self.width)
+            replayed.append(self.name)
             self.fn()
 
         def release(self):
@@ -259,6 +260,15 @@ def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
     monkeypatch.setattr(graphs, "CapturedGraph", Replay)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(decode, "uses_graphs", lambda target, drafter: True)
+    return captured, replayed
+
+
+def test_graph_path_buckets_prefills_and_replays_them(stand_in_graphs, oracle):
+    """Prompts are left-padded to their prefill bucket, the bucket's graph replays their encoding (captured once, when
+    the core is built), a prompt beyond the largest bucket encodes eagerly, and every output equals plain greedy."""
+    from dflash2.generation.round_core import PREFILL_BUCKETS
+
+    captured, replayed = stand_in_graphs
     target = tiny_target("llama", seed=6)
     target.config.max_position_embeddings = 8192
     drafter = tiny_drafter(target, block_size=4).attach(target)
@@ -268,26 +278,69 @@ def test_graph_path_buckets_prefills_and_replays_them(monkeypatch, oracle):
         oracle["references"] = [reference[0, length:].tolist()]
         replayed.clear()
         static = target.generate(ids, max_new_tokens=9, do_sample=False, assistant_model=drafter,
-                                 cache_implementation="static")
+                                 cache_implementation="static", compile=False)  # graphs, no child building a package
         assert torch.equal(static, reference), length
-        encoded = [w for w in replayed if w != "round"]
+        encoded = [w for w in replayed if isinstance(w, int)]
         bucket = next((b for b in PREFILL_BUCKETS if b >= max(length, 4)), None)
         assert encoded == ([bucket] if bucket else []), (length, encoded)
-        assert "round" in replayed
+        assert "round" in replayed and "sampled_round" not in replayed
     # 2100 + 9 + 4 columns outgrow the first core (2048): a core of twice the capacity replaced it, and captured
     # the 2048 bucket too, which did not fit the first
     assert [runner.core.capacity for runner in drafter.round_runners()] == [4096]
     assert captured.count(1024) == 2 and captured.count(2048) == 1
+    assert captured.count("round") == captured.count("sampled_round") == 2  # both rounds, once per core
 
 
-def test_buffer_capacities_are_shared_when_short_and_tight_when_long():
-    from dflash2.generation.decode import capacity_for
+# ------------------------------------------------------------------------------------------------ settings as data
+def static_call(target, drafter, ids, max_new_tokens=16, **settings):
+    return target.generate(ids, max_new_tokens=max_new_tokens, assistant_model=drafter, cache_implementation="static",
+                           compile=False, **settings)
 
-    # graphs (CUDA): 2048 columns at least, powers of two up to 8192, then steps of 8192
-    assert [capacity_for(n, True) for n in (1, 2048, 2049, 5000, 8192, 8193, 32816)] == [
-        2048, 2048, 4096, 8192, 8192, 16384, 40960]
-    # CPU: the request, rounded up to 256
-    assert [capacity_for(n, False) for n in (1, 256, 257, 32816)] == [256, 256, 512, 33024]
+
+def test_one_runner_serves_greedy_and_every_sampling_setting(stand_in_graphs):
+    """Greedy, then T=0.7, then T=1.0 with top-p 0.9, then greedy again: one runner, whose two rounds were captured
+    once when it was built; each call replays the round its setting picks, with the settings in the core's tensors,
+    and greedy outputs still equal plain greedy."""
+    captured, replayed = stand_in_graphs
+    target = tiny_target("llama", seed=11)
+    drafter = tiny_drafter(target, seed=12, block_size=4).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    reference = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(static_call(target, drafter, ids, do_sample=False), reference)
+    (runner,) = drafter.round_runners()
+    assert runner.kind == "graph (eager kernels)"
+    assert [name for name in captured if isinstance(name, str)] == ["round", "sampled_round"]
+    for settings in (dict(temperature=0.7), dict(temperature=1.0, top_p=0.9)):
+        replayed.clear()
+        static_call(target, drafter, ids, do_sample=True, top_k=0, **settings)
+        assert drafter.round_runners() == [runner] and runner.core.do_sample
+        assert "sampled_round" in replayed and "round" not in replayed
+        torch.testing.assert_close(runner.core.temperature, torch.tensor([settings["temperature"]]))
+        torch.testing.assert_close(runner.core.top_p, torch.tensor([settings.get("top_p", 1.0)], dtype=torch.float64))
+    replayed.clear()
+    assert torch.equal(static_call(target, drafter, ids, do_sample=False), reference)
+    assert drafter.round_runners() == [runner] and not runner.core.do_sample
+    assert "round" in replayed and "sampled_round" not in replayed
+    assert [name for name in captured if isinstance(name, str)] == ["round", "sampled_round"]  # nothing captured since
+
+
+def test_a_new_eos_set_on_the_same_runner_stops_at_its_own_tokens():
+    """Two calls on one runner with different EOS ids: each stops where plain greedy with its EOS stops."""
+    target = tiny_target("qwen3", seed=16)
+    drafter = tiny_drafter(target, seed=17, block_size=4).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(16))
+    free = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)[0, 6:].tolist()
+    first, second = free[4], next(t for t in free[9:] if t not in free[:9])  # EOS ids the target emits, one late
+    never = next(t for t in range(4, VOCAB) if t not in free)
+    runners = []
+    for eos in (first, [second, never]):
+        reference = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+        out = static_call(target, drafter, ids, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+        assert torch.equal(out, reference), eos
+        runners += drafter.round_runners()
+        assert runners[-1].core.eos_token_ids == sorted(eos if isinstance(eos, list) else [eos])
+    assert runners[0] is runners[1]
+    assert out.shape[1] >= 6 + 10  # the second call ran past where the first EOS stopped the first
 
 
 # ------------------------------------------------------------------------------------------------ sampling pieces
@@ -307,6 +360,56 @@ def test_warped_probabilities_match_transformers_warpers(settings):
     got = warped_probabilities(logits, Sampling(True, settings.get("temperature", 1.0), settings.get("top_k", 0),
                                                 settings.get("top_p", 1.0)))
     torch.testing.assert_close(got, want)
+
+
+def test_per_row_warping_equals_each_rows_own_setting():
+    """The rounds' per-row warping (settings as tensors) against the one-setting reference and transformers' warpers,
+    row by row, on logits [b, V] and [b, R, V]: rows with no warping, each warper alone, all three, and a top-k at or
+    above the vocabulary."""
+    settings = [Sampling(True), Sampling(True, 0.7), Sampling(True, 1.0, 5), Sampling(True, 1.0, 0, 0.8),
+                Sampling(True, 1.3, 9, 0.9), Sampling(True, 0.5, 40, 0.95), Sampling(True, 2.0, 55, 1.0)]
+    temperature = torch.tensor([s.temperature for s in settings])
+    top_k = torch.tensor([s.top_k for s in settings])
+    top_p = torch.tensor([s.top_p for s in settings], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(5)
+    for shape in ((len(settings), 40), (len(settings), 3, 40)):
+        logits = torch.randn(shape, generator=generator) * 3
+        got = row_warped_probabilities(logits, temperature, top_k, top_p)
+        for row, setting in enumerate(settings):
+            torch.testing.assert_close(got[row], warped_probabilities(logits[row], setting))
+            warpers = LogitsProcessorList([TemperatureLogitsWarper(setting.temperature)] + (
+                [TopKLogitsWarper(setting.top_k)] if setting.top_k else []) + (
+                [TopPLogitsWarper(setting.top_p)] if setting.top_p < 1 else []))
+            want = warpers(None, logits[row].reshape(-1, 40).clone()).softmax(-1).reshape(logits[row].shape)
+            torch.testing.assert_close(got[row], want)
+    assert bool((got[2] > 0).sum(-1).eq(5).all()) and bool((got[0] > 0).all())  # top-k 5 cut; nothing cut
+
+
+def test_rows_of_one_batch_sample_with_their_own_settings():
+    """Two rows of one batch, the same prompt, different settings: each row's second token follows the target's
+    distribution under that row's own warping (the core's sampled round, settings per row)."""
+    draws = 500
+    target, drafter = sampling_case()
+    settings = [Sampling(True, 0.8), Sampling(True, 1.2, 6, 0.9)]
+    core = RoundCore(target, drafter, 2, 64)
+    core.set_sampling(settings)
+    ids = torch.tensor([[5, 6, 7]] * 2)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(2, target.config.vocab_size, dtype=torch.float64)
+    accepted = 0
+    for _ in range(draws):
+        core.prefill(ids, torch.ones_like(ids), 3, generator)
+        core.draw_noise(generator)
+        core.sampled_round()
+        for row in range(2):
+            counts[row, core.output[row, 1]] += 1
+        accepted += int(core.accepted_per_position[:, 0].sum())
+    assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
+    for row, setting in enumerate(settings):
+        config = target.generation_config.__class__(do_sample=True, temperature=setting.temperature,
+                                                    top_k=setting.top_k, top_p=setting.top_p)
+        processors = target._get_logits_processor(config, 3)
+        assert_follows(counts[row], exact_distribution_of_step(target, ids[:1], 1, processors) * draws)
 
 
 def naive_speculative_accept(drafts, q, p, uniform, gumbel):

@@ -8,6 +8,7 @@ import torch
 
 from dflash2.generation import attached_drafter
 from dflash2.generation.decode import MAX_RUNNERS
+from dflash2.training.decoding import left_padded
 from helpers import VOCAB, tiny_drafter, tiny_target
 
 
@@ -52,13 +53,18 @@ def test_release_and_detach_free_the_runtime_buffers():
 
 
 def test_a_drafter_keeps_a_bounded_number_of_runners():
-    """Each sampling setting (here: each set of EOS tokens) has its own runner; the least recently used go first."""
+    """One runner per batch bucket, whatever the sampling setting or EOS set; the least recently used go first."""
     target = tiny_target("llama", seed=5)
     drafter = tiny_drafter(target, seed=6, block_size=4).attach(target)
-    for eos in range(10, 10 + MAX_RUNNERS + 2):
-        static_call(target, drafter, eos_token_id=eos)
-    runners = drafter.round_runners()
-    assert len(runners) == MAX_RUNNERS
-    assert [int(r.core.eos[0]) for r in runners] == list(range(12, 10 + MAX_RUNNERS + 2))
-    static_call(target, drafter, eos_token_id=12)  # used again: now the most recent
-    assert int(drafter.round_runners()[-1].core.eos[0]) == 12
+    for batch in (1, 2, 3, 5, 9, 17):  # buckets 1 .. 32: MAX_RUNNERS + 2 of them
+        bucket_call(target, drafter, batch)
+    assert MAX_RUNNERS == 4 and [r.core.batch for r in drafter.round_runners()] == [4, 8, 16, 32]
+    bucket_call(target, drafter, 3, do_sample=True, temperature=0.7, eos_token_id=12)  # used again: now the most recent
+    assert [r.core.batch for r in drafter.round_runners()] == [8, 16, 32, 4]
+
+
+def bucket_call(target, drafter, batch: int, **settings):
+    prompts = [[5 + row, 9, 14][: 1 + row % 3] for row in range(batch)]
+    ids, mask = left_padded(prompts, 0)
+    target.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, assistant_model=drafter,
+                    cache_implementation="static", compile=False, **settings)

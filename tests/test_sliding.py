@@ -17,7 +17,6 @@ import torch
 
 from dflash2.generation import DFlash2CandidateGenerator
 from dflash2.generation.round_core import RoundCore
-from dflash2.generation.sampling import Sampling
 from dflash2.modeling_dflash2 import tap_target_features
 from helpers import VOCAB, tiny_drafter, tiny_target
 
@@ -145,8 +144,7 @@ def test_round_core_blocks_equal_naive_reference(case, round_core_oracle):
     max_new = 20
     round_core_oracle["references"] = [plain_new_tokens(target, p, max_new) for p in prompts]
     ids, mask = left_pad(prompts)
-    core = RoundCore(target, drafter, batch=3, capacity=64, sampling=Sampling.from_generation_config(
-        target.generation_config.__class__(do_sample=False)), eos_token_ids=())
+    core = RoundCore(target, drafter, batch=3, capacity=64)  # greedy, no EOS: its initial settings
     core.prefill(ids, mask, max_new)
     while not bool(core.done.all()):
         core.round()
@@ -164,8 +162,7 @@ def test_reference_is_sensitive_to_the_window_and_the_causal_rule(round_core_ora
     prompt = prompts_for(2, 1)[0]
     round_core_oracle["references"] = [plain_new_tokens(target, prompt, 8)]
     ids = torch.tensor([prompt])
-    core = RoundCore(target, drafter, batch=1, capacity=64, sampling=Sampling.from_generation_config(
-        target.generation_config.__class__(do_sample=False)), eos_token_ids=())
+    core = RoundCore(target, drafter, batch=1, capacity=64)  # greedy, no EOS: its initial settings
     core.prefill(ids, torch.ones_like(ids), 8)
     core.round()
     row, start, hidden = round_core_oracle["records"][-1]

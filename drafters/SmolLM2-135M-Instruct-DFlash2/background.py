@@ -1,6 +1,6 @@
-"""The fused round's build in the background (`compile="background"`): the child process that builds the package
-(`fusion.py`: what is compiled and how it is checked), and the caller's side, which switches to the package once it
-is there or stays unfused.
+"""The fused rounds' build in the background (`compile="background"`): the child process that builds the package
+(`fusion.py`: what is compiled and how it is checked; one package holds the greedy and the sampled round, which serve
+every sampling setting), and the caller's side, which switches to the package once it is there or stays unfused.
 
 Faults never fail a call: whatever goes wrong (no writable cache, a killed or out-of-memory child, a full disk, a
 package that will not load) leaves the unfused round running and says so in one warning. A later process tries again,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .fusion import (build_package, cache_dir, core_tensor_names, open_fused_round, package_key, preserved,
+from .fusion import (build_package, cache_dir, core_tensor_names, open_fused_rounds, package_key, preserved,
                      round_weights, spec_of)
 from .round_core import RoundCore
 
@@ -156,9 +156,9 @@ def free_memory(device: torch.device) -> int | None:
 
 
 class BackgroundFusion:
-    """One runner's fused round: a package on disk already, or a child process building it. `poll` (after a prefill,
-    so the caches exist and the check runs on a real prompt) switches the runner over once the package is there, or
-    leaves it unfused with one warning.
+    """One runner's fused rounds (one package: greedy and sampled): on disk already, or a child process building it.
+    `poll` (after a prefill, so the caches exist and the check runs on a real prompt) switches the runner over once
+    the package is there, or leaves it unfused with one warning.
 
     `state`: "building" (a child is at work), "ready" (the package is there), "used" (the runner runs it), or
     "unfused" (it will not be used: `reason` says why). `process` is the child (None when none was started) and `log`
@@ -225,7 +225,7 @@ class BackgroundFusion:
             self.state = "ready"
         if self.state != "ready":
             return
-        fused, why = open_fused_round(runner.core, self.path)
+        fused, why = open_fused_rounds(runner.core, self.path)
         if fused is not None:
             self.state = "used"
             with preserved(runner.core):  # a capture's warm-up runs advance the state

@@ -23,8 +23,8 @@ from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
-# Runners (each with its core's buffers and graphs) a drafter keeps, one per (target, batch bucket, sampling, eos,
-# mode); beyond it the least recently used one is released
+# Runners (each with its core's buffers and graphs) a drafter keeps, one per (target, batch bucket, mode), each serving
+# greedy search and every sampling setting and EOS set; beyond it the least recently used one is released
 MAX_RUNNERS = 4
 # Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, so most requests
 # share one captured graph, then in steps of 8192, so a long request pays for fewer than 8192 columns it does not need
@@ -65,11 +65,12 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     block = drafter.config.block_size
     graphs = uses_graphs(target, drafter)
     needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + columns_per_round(block, tree_nodes)
-    runner = round_runner_for(target, drafter, bucket, needed, sampling, eos, compile, graphs, tree_nodes)
+    runner = round_runner_for(target, drafter, bucket, needed, compile, graphs, tree_nodes)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
     core = runner.core
+    core.set_sampling(sampling, eos)  # data of the rounds: no new core, graph or compile for a new setting
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids[:batch], attention_mask[:batch])]
     keep = held_prefix(past_key_values, core, rows)
     if keep is None or not core.resume(rows, keep, max_new_tokens, generator):
@@ -152,10 +153,12 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
 
 
-def round_runner_for(target, drafter, batch: int, needed: int, sampling: Sampling, eos, compile: bool | str | None,
-                     graphs: bool, tree_nodes: int = 0):
-    """The runner (and its core) for this shape, built once per (target, batch bucket, sampling, eos, mode, tree size) and kept
-    among the drafter's `MAX_RUNNERS` most recently used. `graphs`: rounds and prefills are captured (`uses_graphs`).
+def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | str | None, graphs: bool,
+                     tree_nodes: int = 0):
+    """The runner (and its core) for this shape, built once per (target, batch bucket, mode, tree size) and kept among
+    the drafter's `MAX_RUNNERS` most recently used; it serves greedy search and every sampling setting and EOS set (the
+    caller writes them into the core: `RoundCore.set_sampling`). `graphs`: rounds and prefills are captured
+    (`uses_graphs`).
 
     Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
     captured graphs; a longer one replaces the core with one of the capacity it needs (`capacity_for`).
@@ -171,7 +174,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
     if compile is None:
         compile = "background" if graphs else False
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
-    key = (id(target), batch, sampling, tuple(sorted(set(eos))), mode, compile == "background", tree_nodes)
+    key = (id(target), batch, mode, compile == "background", tree_nodes)
     runner = cores.pop(key, None)
     if runner is not None and runner.core.capacity < needed:
         runner.release()
@@ -180,7 +183,7 @@ def round_runner_for(target, drafter, batch: int, needed: int, sampling: Samplin
         while len(cores) >= MAX_RUNNERS:
             cores.pop(next(iter(cores))).release()
         capacity = capacity_for(needed, graphs)
-        core = RoundCore(target, drafter, batch, capacity, sampling, eos, bucketed_prefill=graphs, tree_nodes=tree_nodes)
+        core = RoundCore(target, drafter, batch, capacity, bucketed_prefill=graphs, tree_nodes=tree_nodes)
         runner = RoundRunner(core, mode, capture=graphs)
         if compile == "background":
             runner.fusion = BackgroundFusion(runner)

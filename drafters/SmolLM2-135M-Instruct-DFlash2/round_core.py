@@ -3,6 +3,11 @@
 It owns fixed buffers for one (target, drafter, batch, capacity) and one round in which every tensor has the same
 shape, stride and address each time, so the round can be captured once and replayed as a CUDA graph.
 
+Sampling settings are data: each row's temperature, top-k and top-p and the request's EOS ids live in tensors of the
+core, written before each request (`set_sampling`) like the rest of its state. So one core, and the graphs captured
+or compiled from it, serves greedy search and every sampling setting. It has two rounds: `round` (greedy) and
+`sampled_round` (exact speculative sampling); the greedy round does no sampling work (no sort of the vocabulary).
+
 Layout. Row r lives in columns 0 .. capacity-1 of both caches. Its prompt is left-padded so that its first real token
 sits in column `first_column[r]`; column c holds position c - first_column[r]. A round writes its block
 [anchor, d1 .. d(B-1)] into columns start[r] .. start[r]+B-1 of the target cache, and the tapped features of the
@@ -25,7 +30,8 @@ import torch
 
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
-from .sampling import Sampling, draft_temperature, first_token, greedy_accept, speculative_accept, warped_probabilities
+from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, padded_eos_ids, row_warped_probabilities,
+                       speculative_accept)
 from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
@@ -113,16 +119,16 @@ def flat_rows(buffer: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 class RoundCore:
-    """Fixed buffers and one fixed-shape round for (target, drafter, batch, capacity, sampling settings, tree size).
+    """Fixed buffers and fixed-shape rounds for (target, drafter, batch, capacity, tree size), greedy and sampled; the
+    settings of a request are written into its tensors (`set_sampling`).
 
     `tree_nodes` > 0: greedy rounds verify a tree of that many nodes (root included, `tree.py`), drafted by a beam of
-    `drafter.config.tree_width`; 0: a path. Sampling rounds always verify a path."""
+    `drafter.config.tree_width`; 0: a path. Sampled rounds always verify a path."""
 
-    def __init__(self, target, drafter, batch: int, capacity: int, sampling: Sampling, eos_token_ids=(),
-                 bucketed_prefill: bool = False, tree_nodes: int = 0):
+    def __init__(self, target, drafter, batch: int, capacity: int, bucketed_prefill: bool = False, tree_nodes: int = 0):
         config = drafter.config
         check_target_fits(target)
-        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.target, self.drafter = target, drafter
         self.batch, self.capacity, self.block_size = batch, capacity, config.block_size
         self.tree_width = config.tree_width
         check_tree_nodes(tree_nodes, config)
@@ -143,7 +149,12 @@ class RoundCore:
         self.offsets = torch.arange(block, **long)  # [B]
         self.node_offsets = torch.arange(max(tree_nodes, 1), **long)  # [N]: a tree's nodes, one column each
         self.mask_row = torch.full((1, block - 1), config.mask_token_id, **long)
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), **long)
+        # ---- the request's settings (`set_sampling`): which round runs, each row's warping, the EOS ids (-1: none)
+        self.do_sample = False
+        self.temperature = torch.ones(batch, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(batch, **long)  # 0: off
+        self.top_p = torch.ones(batch, dtype=torch.float64, device=device)  # 1.0: off
+        self.eos = torch.tensor(padded_eos_ids(()), **long)  # [MAX_EOS_TOKENS]
         # ---- state of every row, advanced in place by each round
         self.anchor = torch.zeros(batch, **long)  # last emitted token: row 0 of the next block
         self.start = torch.zeros(batch, **long)  # column of the anchor
@@ -198,11 +209,11 @@ class RoundCore:
         return drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=self.features,
                        position_ids=positions, attention_mask=masks, cache=self.draft_cache).last_hidden_state
 
-    def propose(self, hidden: torch.Tensor):
-        """Drafts [b, B-1] from the denoised block (selector walk), and their proposal distribution when sampling."""
-        sampling = self.sampling
-        return self.drafter.propose(self.anchor, hidden, gumbel=self.draft_noise if sampling.do_sample else None,
-                                    transform=draft_temperature(sampling) if sampling.do_sample else None)
+    def propose(self, hidden: torch.Tensor, sampled: bool = False):
+        """Drafts [b, B-1] from the denoised block (selector walk), and their proposal distribution; `sampled`: a
+        sample of each row's walk at its temperature, drawn with `draft_noise`."""
+        return self.drafter.propose(self.anchor, hidden, gumbel=self.draft_noise if sampled else None,
+                                    transform=draft_temperature(self.temperature) if sampled else None)
 
     def verify(self, block: torch.Tensor):
         """One target forward over the block at columns start .. start+B-1: fp32 logits [b, B, V] and the tapped
@@ -234,19 +245,28 @@ class RoundCore:
 
     @torch.no_grad()
     def round(self) -> None:
-        """draft -> propose -> verify -> accept, all on the device, every shape fixed."""
-        if self.tree_nodes and not self.sampling.do_sample:
+        """draft -> propose -> verify -> accept, all on the device, every shape fixed (greedy; with `tree_nodes`, the
+        tree round)."""
+        if self.tree_nodes:
             return self.tree_round()
         hidden = self.draft_block()
         proposal = self.propose(hidden)
         block = torch.cat([self.anchor.view(-1, 1), proposal.tokens], dim=1)
         logits, features = self.verify(block)
-        if self.sampling.do_sample:
-            accepted, next_token = speculative_accept(proposal.tokens, proposal.proposal_logits.softmax(-1),
-                                                      warped_probabilities(logits, self.sampling), self.uniform,
-                                                      self.bonus_noise)
-        else:
-            accepted, next_token = greedy_accept(proposal.tokens, logits)
+        accepted, next_token = greedy_accept(proposal.tokens, logits)
+        self.accept(block, accepted, next_token, features)
+
+    @torch.no_grad()
+    def sampled_round(self) -> None:
+        """`round` with exact speculative sampling: drafts sampled at each row's temperature, accepted against the
+        target's distribution warped by each row's settings (fill the noise first: `draw_noise`)."""
+        hidden = self.draft_block()
+        proposal = self.propose(hidden, sampled=True)
+        block = torch.cat([self.anchor.view(-1, 1), proposal.tokens], dim=1)
+        logits, features = self.verify(block)
+        target_probs = row_warped_probabilities(logits, self.temperature, self.top_k, self.top_p)
+        accepted, next_token = speculative_accept(proposal.tokens, proposal.proposal_logits.softmax(-1), target_probs,
+                                                  self.uniform, self.bonus_noise)
         self.accept(block, accepted, next_token, features)
 
     # ------------------------------------------------------------------------------------------ a round with a tree
@@ -300,12 +320,33 @@ class RoundCore:
         self.target_cache.move_columns(start + path, start + self.offsets)
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
-        """Fill the round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the tests)."""
+        """Fill the sampled round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the
+        tests)."""
         for buffer in (self.draft_noise, self.bonus_noise):
             sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
         self.uniform.uniform_(generator=generator)
 
     # ------------------------------------------------------------------------------------------ prefill
+    def set_sampling(self, sampling: Sampling | list[Sampling], eos_token_ids=()) -> None:
+        """The next request's settings, written into the round's tensors (before `prefill` or `resume`): `sampling`
+        for every row, or one per row (rows beyond the list are not warped; all must agree on `do_sample`, which
+        picks the round), and the EOS ids every row stops at (up to `MAX_EOS_TOKENS`)."""
+        rows = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
+        if not 0 < len(rows) <= self.batch or len({row.do_sample for row in rows}) > 1:
+            raise ValueError(f"set_sampling takes one Sampling, or 1 to {self.batch} that agree on do_sample; got "
+                             f"{[row.do_sample for row in rows]}.")
+        rows += [Sampling(rows[0].do_sample)] * (self.batch - len(rows))
+        self.do_sample = rows[0].do_sample
+        self.temperature.copy_(torch.tensor([row.temperature for row in rows], dtype=torch.float32))
+        self.top_k.copy_(torch.tensor([row.top_k for row in rows], dtype=torch.long))
+        self.top_p.copy_(torch.tensor([row.top_p for row in rows], dtype=torch.float64))
+        self.eos.copy_(torch.tensor(padded_eos_ids(eos_token_ids), dtype=torch.long))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The EOS ids the current request stops at (`set_sampling`)."""
+        return [token for token in self.eos.tolist() if token >= 0]
+
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None, encode=None) -> None:
         """Encode left-padded prompts [b, P] into both caches and emit each row's first token.
@@ -403,7 +444,7 @@ class RoundCore:
         """Each row's first token from the prompt's logits, and the state the first round starts from (`shift` as in
         `encode_prompt`)."""
         block, batch = self.block_size, self.batch
-        token = first_token(self.prompt_logits, self.sampling, generator)
+        token = first_token(self.prompt_logits, self.do_sample, self.temperature, self.top_k, self.top_p, generator)
         # the prompt's last block is stored again by the first round: same values, same columns
         self.context_columns.copy_(self.columns[width - block: width].expand(batch, -1))
         self.features.copy_(self.prompt_features)
