@@ -2,12 +2,18 @@
 
     python scripts/tree_tau.py TASK SKIP PROMPTS NEW_TOKENS NODES[,NODES...] [WIDTH[,WIDTH...]]
 """
+import sys
+import time
 from pathlib import Path
-import sys, time, torch
+
+import torch
+
 from dflash2.generation import DFlash2Drafter, load_target
-from dflash2.tasks import task_prompts, chat_prompt_ids
+from dflash2.tasks import chat_prompt_ids, task_prompts
+
 torch.set_num_threads(1)
-drafter = DFlash2Drafter.from_pretrained(str(Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"), dtype=torch.float32)
+SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
+drafter = DFlash2Drafter.from_pretrained(str(SHIPPED), dtype=torch.float32)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -15,10 +21,12 @@ configs = [int(x) for x in sys.argv[5].split(",")]
 for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [drafter.config.tree_width]):
     drafter.config.tree_width = w
     for nodes in configs:
-        tokens = forwards = 0; t0 = time.time(); same = 0
+        tokens = forwards = 0
+        t0 = time.time()
         for p in task_prompts(task, n, skip=skip):
             ids = torch.tensor([chat_prompt_ids(tok, p)])
             out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new,
                                   cache_implementation="static", tree_nodes=nodes)
-            tokens += drafter.last_stats.completion_tokens; forwards += drafter.last_stats.target_forwards
+            tokens += drafter.last_stats.completion_tokens
+            forwards += drafter.last_stats.target_forwards
         print(f"{task} width {w} nodes {nodes}: tau {tokens/forwards:.3f} ({time.time()-t0:.0f}s)", flush=True)

@@ -30,6 +30,22 @@ def tiny_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: 
     return model.eval()
 
 
+def sliding_qwen3(vocab: int = VOCAB, seed: int = 0, layers: int = 6, window: int = 8):
+    """A tiny Qwen3 target whose layers alternate sliding-window (`window`) and full attention, logits sharpened as
+    in `tiny_target`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, use_sliding_window=True,
+                         sliding_window=window, layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target
+
+
 def tiny_drafter(target, seed: int = 1, identity: bool = False, version: int = 2, **overrides):
     torch.manual_seed(seed)
     fields = dict(num_hidden_layers=2, block_size=4, selector_top_k=8, selector_rank=8, conv_group_size=16,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EOS, assert_follows, sampling_case, tiny_drafter, tiny_target
+from helpers import EOS, assert_follows, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
 from dflash2.training.decoding import left_padded
 
@@ -111,16 +111,7 @@ def test_three_turns_equal_plain_greedy_and_encode_only_new_tokens(arch, loop, b
 def test_sliding_window_target_past_its_window_stays_exact(loop):
     """A target whose sliding layers dropped their oldest keys (window 8): its cache cannot be cropped back, the turn
     encodes from where it ends and the drafter skips the few positions it lacks."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, use_sliding_window=True, sliding_window=8,
-                         layer_types=["sliding_attention", "full_attention"] * 3)
-    target = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)
+    target = sliding_qwen3(96, 0)
     drafter = repeat_anchor_drafts(tiny_drafter(target).attach(target))
     prefills, lengths = converse(target, drafter, 1, **TURNS[loop])
     assert prefills[1] < lengths[1] - lengths[0] and prefills[2] < lengths[2] - lengths[1]

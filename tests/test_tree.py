@@ -11,7 +11,7 @@ import torch
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree
 from dflash2.training.decoding import left_padded as left_pad
-from helpers import EOS, tiny_drafter, tiny_target
+from helpers import EOS, sliding_qwen3, tiny_drafter, tiny_target
 
 
 # ---------------------------------------------------------------------------------------------- naive references
@@ -119,20 +119,6 @@ def test_accept_tree_equals_the_naive_walk(width, nodes):
 
 
 # ---------------------------------------------------------------------------------------------- decoding
-def sliding_qwen3(vocab, seed):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, use_sliding_window=True, sliding_window=6,
-                         layer_types=["sliding_attention", "full_attention"] * 2)
-    target = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)
-    return target
-
-
 @pytest.fixture
 def planted(monkeypatch):
     """RoundCore.draft_tree with each row's true continuation (state["references"], new tokens) written along the
@@ -186,7 +172,7 @@ def run_random_cases(cases, planted, seed=0):
         arch, vocab, block = rng.choice([("llama", 8, 4), ("llama", 12, 8), ("qwen3", 16, 4), ("sliding", 10, 8),
                                          ("qwen3", 24, 8), ("llama", 10, 16)])
         if (arch, vocab, block) not in pairs:
-            target = sliding_qwen3(vocab, 3) if arch == "sliding" else tiny_target(arch, seed=vocab, vocab=vocab,
+            target = sliding_qwen3(vocab, 3, layers=4, window=6) if arch == "sliding" else tiny_target(arch, seed=vocab, vocab=vocab,
                                                                                      layers=3)
             drafter = tiny_drafter(target, seed=block, block_size=block, selector_top_k=min(6, vocab),
                                    tree_width=rng.choice([2, 3, 4]), target_layer_ids=[0, 2]).attach(target)
