@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from dflash2.generation.sampling import is_any_of
+
 MIN_CAPACITY = 512
 CHECK_EVERY = 8  # steps queued between two host reads of the done flags (when there is an EOS)
 
@@ -62,7 +64,7 @@ class PlainGraphLoop:
         token = logits[:, -1].argmax(-1)
         self.output.index_copy_(1, self.length, token.view(-1, 1))
         self.token.copy_(token.view(-1, 1))
-        self.done.logical_or_(torch.isin(token, self.eos))
+        self.done.logical_or_(is_any_of(token, self.eos))
         self.length.add_(1)
 
     @torch.no_grad()

@@ -135,8 +135,10 @@ def runnable(fn, compile: bool, capture: bool):
     return CapturedGraph(part) if capture else part
 
 
-def profile(target, drafter, context: int, compile: bool, replays: int) -> dict:
-    """Milliseconds of the round, each of its parts and the target's plain step and 16-token forward."""
+def profile(target, drafter, context: int, compile: bool, replays: int, capacity: int | None = None) -> dict:
+    """Milliseconds of the round, each of its parts and the target's plain step and 16-token forward (in the plain
+    loop's cache, and in a static cache of the round's capacity). `capacity`: the round's buffer columns (default:
+    what DFlash 2's own loop gives the request)."""
     from dflash2.benchmarks.plain_graph import device_ms, time_forward
     from dflash2.generation.decode import capacity_for, uses_graphs
     from dflash2.generation.round_core import RoundCore, prefill_width
@@ -145,7 +147,7 @@ def profile(target, drafter, context: int, compile: bool, replays: int) -> dict:
     device, block = drafter.device, drafter.config.block_size
     max_new_tokens = 2 * block  # the rows finish within the first replays, then freeze (same kernels, no overrun)
     width = prefill_width(context, block, bucketed=capture)
-    capacity = capacity_for(width + max_new_tokens + block, capture)
+    capacity = capacity or capacity_for(width + max_new_tokens + block, capture)
     core = RoundCore(target, drafter, 1, capacity, bucketed_prefill=capture)  # greedy, no EOS: its initial settings
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(0))
@@ -158,8 +160,9 @@ def profile(target, drafter, context: int, compile: bool, replays: int) -> dict:
         print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
     result["ms"]["sum of parts"] = round(sum(v for k, v in result["ms"].items() if k != "round"), 4)
     with torch.no_grad():
-        for tokens, name in ((1, "target step (1 token)"), (16, "target forward (16 tokens)")):
-            result["ms"][name] = round(time_forward(target, tokens, context, replays), 4)
+        for tokens, name, columns in ((1, "target step (1 token)", None), (16, "target forward (16 tokens)", None),
+                                      (16, "target forward (16 tokens, round's capacity)", capacity)):
+            result["ms"][name] = round(time_forward(target, tokens, context, replays, capacity=columns), 4)
             print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
     ms = result["ms"]
     result["round_over_verify16"] = round(ms["round"] / ms["target forward (16 tokens)"], 3)
@@ -187,6 +190,8 @@ def parse_args(argv=None):
     parser.add_argument("--shape", default="smollm2-135m", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the round")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="the round's buffer columns (default: what DFlash 2's own loop gives the request)")
     parser.add_argument("--compile", action="store_true", help="fuse the round and each part with inductor first")
     parser.add_argument("--replays", type=int, default=50, help="back-to-back replays per timing (3 timings each)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -215,7 +220,8 @@ def main(argv=None) -> dict:
     for shape in args.shape:
         print(f"== {shape}", flush=True)
         target, drafter = build_pair(shape, args.device, args.dtype, args.block_size, args.smoke)
-        report["shapes"][shape] = profile(target, drafter, args.context, args.compile, args.replays)
+        report["shapes"][shape] = profile(target, drafter, args.context, args.compile, args.replays,
+                                            args.capacity)
         drafter.detach(target)
         del target, drafter
         if torch.cuda.is_available():

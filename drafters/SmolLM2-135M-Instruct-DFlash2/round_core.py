@@ -30,8 +30,8 @@ import torch
 
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
-from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, padded_eos_ids, row_warped_probabilities,
-                       speculative_accept)
+from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
+                       row_warped_probabilities, speculative_accept)
 from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
@@ -233,7 +233,7 @@ class RoundCore:
                                                                                    next_token.view(-1, 1))
         slots = (self.output_length.view(-1, 1) + self.offsets).clamp(max=self.output.shape[1] - 1)
         self.output.scatter_(1, slots, emitted)  # a frozen row writes only past its length
-        hit_eos = (torch.isin(emitted, self.eos) & (self.offsets <= accepted.view(-1, 1))).any(-1)
+        hit_eos = (is_any_of(emitted, self.eos) & (self.offsets <= accepted.view(-1, 1))).any(-1)
         self.accepted_per_position.add_(live.view(-1, 1) & (self.offsets[:-1] < accepted.view(-1, 1)))
         self.rounds.add_(live.long())
         self.output_length.add_(advance)
@@ -456,7 +456,7 @@ class RoundCore:
         self.output[:, 0] = token
         self.output_length.fill_(1)
         self.max_new_tokens.fill_(max_new_tokens)
-        self.done.copy_(torch.isin(token, self.eos) | (max_new_tokens <= 1))
+        self.done.copy_(is_any_of(token, self.eos) | (max_new_tokens <= 1))
         self.rounds.zero_()
         self.accepted_per_position.zero_()
 

@@ -47,6 +47,13 @@ def padded_eos_ids(ids) -> list[int]:
     return distinct + [-1] * (MAX_EOS_TOKENS - len(distinct))
 
 
+def is_any_of(tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`torch.isin(tokens, ids)` as one broadcast comparison: isin sorts and calls `unique` (a host synchronisation,
+    which breaks a CUDA graph capture) when `ids` is large against `tokens`, as the 16 EOS slots are against one
+    row's block."""
+    return (tokens.unsqueeze(-1) == ids).any(-1)
+
+
 def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """softmax of temperature/top-k/top-p-warped logits (fp32), as transformers' warpers compute them, for one setting:
     the plain reference `row_warped_probabilities` (the rounds' per-row version) is tested against."""

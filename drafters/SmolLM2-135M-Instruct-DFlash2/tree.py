@@ -92,7 +92,8 @@ def ancestor_matrix(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
     relation, by repeated squaring (paths of up to `max_depth` steps)."""
     nodes = parent.shape[1]
     eye = torch.eye(nodes, device=parent.device)
-    reach = eye + torch.nn.functional.one_hot(parent, nodes).float()  # self or parent
+    # self or parent (a comparison, not one_hot: one_hot reads the indices' range on the host, breaking a capture)
+    reach = eye + (parent.unsqueeze(-1) == torch.arange(nodes, device=parent.device)).float()
     covered = 1
     while covered < max_depth:
         reach = (reach @ reach).clamp(max=1.0)
