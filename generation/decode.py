@@ -23,14 +23,15 @@ from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
-# Runners (each with its core's buffers and graphs) a drafter keeps, one per (target, batch bucket, mode), each serving
-# greedy search and every sampling setting and EOS set; beyond it the least recently used one is released
+# Runners (each with its core's buffers and graphs) a drafter keeps, one per (target, batch bucket, mode, tree size,
+# capacity), each serving greedy search and every sampling setting and EOS set; beyond it the least recently used one
+# is released
 MAX_RUNNERS = 4
-# Columns of the buffers. On CUDA, capacities start at 2048 and grow in powers of two up to 8192, so most requests
-# share one captured graph, then in steps of 8192, so a long request pays for fewer than 8192 columns it does not need
-# rather than up to as many again as it needs (a round attends over every column); on a CPU every column costs
-# attention time, so they fit the request (steps of 256).
-MIN_CAPACITY = {"cuda": 2048, "cpu": 256}
+# Columns of the buffers. A round attends over every column of its core, so capacities stay close to the request: on
+# CUDA powers of two from 512 up to 8192 (few captured graphs and fused packages, one per capacity), then steps of
+# 8192; on a CPU steps of 256. A fused round of the default target at 512 columns costs 0.72x the same round at 2048
+# (H200, docs/benchmarks.md).
+MIN_CAPACITY = {"cuda": 512, "cpu": 256}
 CUDA_CAPACITY_STEP = 8192
 
 
@@ -65,7 +66,8 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     block = drafter.config.block_size
     graphs = uses_graphs(target, drafter)
     needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + columns_per_round(block, tree_nodes)
-    runner = round_runner_for(target, drafter, bucket, needed, compile, graphs, tree_nodes)
+    earlier = past_key_values.core() if isinstance(past_key_values, LoopCache) else None
+    runner = round_runner_for(target, drafter, bucket, needed, compile, graphs, tree_nodes, prefer=earlier)
     if bucket > batch:  # empty rows: no real token, done from the start
         input_ids = torch.cat([input_ids, input_ids.new_full((bucket - batch, length), pad)])
         attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(bucket - batch, length)])
@@ -154,14 +156,14 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
 
 
 def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | str | None, graphs: bool,
-                     tree_nodes: int = 0):
-    """The runner (and its core) for this shape, built once per (target, batch bucket, mode, tree size) and kept among
-    the drafter's `MAX_RUNNERS` most recently used; it serves greedy search and every sampling setting and EOS set (the
-    caller writes them into the core: `RoundCore.set_sampling`). `graphs`: rounds and prefills are captured
-    (`uses_graphs`).
+                     tree_nodes: int = 0, prefer: RoundCore | None = None):
+    """The runner (and its core) for this shape: one per (target, batch bucket, mode, tree size, capacity), built at
+    its first use and kept among the drafter's `MAX_RUNNERS` most recently used; it serves greedy search and every
+    sampling setting and EOS set (the caller writes them into the core: `RoundCore.set_sampling`). `graphs`: rounds
+    and prefills are captured (`uses_graphs`).
 
-    Like transformers' static cache, the buffers are sized for the largest request seen, so shorter requests reuse the
-    captured graphs; a longer one replaces the core with one of the capacity it needs (`capacity_for`).
+    A round attends over every column of its buffers, so a request takes the smallest kept core that holds `needed`
+    columns -- `prefer` (the core an earlier turn's cache lives in) when it does -- else a new one of `capacity_for`.
     """
     cores = runners_of(drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
@@ -174,15 +176,17 @@ def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | s
     if compile is None:
         compile = "background" if graphs else False
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
-    key = (id(target), batch, mode, compile == "background", tree_nodes)
-    runner = cores.pop(key, None)
-    if runner is not None and runner.core.capacity < needed:
-        runner.release()
-        runner = None
-    if runner is None:
+    shape = (id(target), batch, mode, compile == "background", tree_nodes)
+    fitting = sorted((key for key, runner in cores.items() if key[:-1] == shape and key[-1] >= needed),
+                     key=lambda key: (cores[key].core is not prefer, key[-1]))
+    if fitting:
+        key = fitting[0]
+        runner = cores.pop(key)
+    else:
         while len(cores) >= MAX_RUNNERS:
             cores.pop(next(iter(cores))).release()
         capacity = capacity_for(needed, graphs)
+        key = shape + (capacity,)
         core = RoundCore(target, drafter, batch, capacity, bucketed_prefill=graphs, tree_nodes=tree_nodes)
         runner = RoundRunner(core, mode, capture=graphs)
         if compile == "background":

@@ -343,3 +343,26 @@ def test_multiturn_benchmark_reports_a_follow_up_that_encodes_only_the_new_turn(
         assert row["full_encode"]["encoded_tokens"] == row["follow_up_tokens"]
         assert row["cache"]["encoded_tokens"] < row["follow_up_tokens"] - results["history_tokens"] // 2
         assert row["cache"]["first_token_s"] > 0 and row["full_encode"]["turn_s"] > 0
+
+
+def test_a_later_turn_resumes_on_its_own_buffers_when_smaller_ones_would_fit():
+    """Cores of several capacities are kept (a round attends over every column, so a request takes the smallest that
+    fits), but a turn whose cache lives in a larger core resumes there instead of encoding everything again."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target).attach(target)
+    static = dict(assistant_model=drafter, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    prompt = user_turns(1)[0][0]
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+    greedy = greedy[0, len(prompt):].tolist()
+    stop = next(i for i in range(3, 40) if greedy[i] not in greedy[:i])  # the turn ends at this token
+    target.generate(torch.tensor([[9, 8, 7, 6]]), max_new_tokens=4, **static)  # a small core first
+    first = target.generate(torch.tensor([prompt]), max_new_tokens=300, eos_token_id=greedy[stop], **static)
+    assert first.sequences[0, len(prompt):].tolist() == greedy[: stop + 1]
+    assert [runner.core.capacity for runner in drafter.round_runners()] == [256, 512]
+    conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9]])], dim=1)
+    with ForwardWidths(target) as forwards:
+        out = target.generate(conversation, past_key_values=first.past_key_values, max_new_tokens=NEW_TOKENS,
+                              eos_token_id=None, **static)
+    assert out.sequences[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
+    assert forwards.widths[0] < conversation.shape[1]  # resumed in the 512 core, not encoded anew in the 256 one
+    assert drafter.round_runners()[-1].core.capacity == 512

@@ -284,10 +284,10 @@ def test_graph_path_buckets_prefills_and_replays_them(stand_in_graphs, oracle):
         bucket = next((b for b in PREFILL_BUCKETS if b >= max(length, 4)), None)
         assert encoded == ([bucket] if bucket else []), (length, encoded)
         assert "round" in replayed and "sampled_round" not in replayed
-    # 2100 + 9 + 4 columns outgrow the first core (2048): a core of twice the capacity replaced it, and captured
-    # the 2048 bucket too, which did not fit the first
-    assert [runner.core.capacity for runner in drafter.round_runners()] == [4096]
-    assert captured.count(1024) == 2 and captured.count(2048) == 1
+    # 2100 + 9 + 4 columns outgrow the first core (512): a second core of the capacity it needs captured the buckets
+    # up to 2048, which did not fit the first; the first stays for shorter requests
+    assert [runner.core.capacity for runner in drafter.round_runners()] == [512, 4096]
+    assert captured.count(256) == 2 and captured.count(512) == captured.count(1024) == captured.count(2048) == 1
     assert captured.count("round") == captured.count("sampled_round") == 2  # both rounds, once per core
 
 
