@@ -260,3 +260,40 @@ def test_tree_nodes_from_the_config_and_bad_values():
         tiny_drafter(target, block_size=4, tree_nodes=1, target_layer_ids=[0, 1])
     with pytest.raises(ValueError, match="tree_width=0"):
         tiny_drafter(target, block_size=4, tree_width=0, target_layer_ids=[0, 1])
+
+
+def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_scatter_each():
+    """The accepted path's keys/values move to the path columns in every layer (checked against a naive copy), and the
+    move launches one gather and one scatter per buffer (its row indices are shared by buffers of one shape): in a
+    round captured from eager kernels each op is a launch, and recomputing the indices per layer once made the tree
+    round's bookkeeping as long as its verify forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    target = tiny_target("llama", seed=4, layers=6)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=6, tree_width=2).attach(target)
+    core = RoundCore(target, drafter, 2, 64, tree_nodes=7)
+    ids = torch.randint(4, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), 20)
+    core.round()
+    buffers = core.target_cache.keys + core.target_cache.values
+    before = [buffer.clone() for buffer in buffers]
+    path = torch.tensor([[0, 2, 5, 6], [0, 1, 3, 4]])
+    with Ops() as ops:
+        core.keep_path(path)
+    start = core.start.tolist()
+    for old, new in zip(before, buffers):
+        expected = old.clone()
+        for row in range(2):
+            expected[row, :, start[row]: start[row] + 4] = old[row, :, [start[row] + n for n in path[row].tolist()]]
+        assert torch.equal(new, expected)
+    assert ops.names.count("index_select") == ops.names.count("index_copy_") == len(buffers) == 12
+    assert len([name for name in ops.names if name not in ("view", "expand", "unsqueeze", "slice")]) <= 2 * 12 + 16

@@ -91,12 +91,19 @@ class ColumnCache:
         return torch.cat([keys, key_states[:, :, count:]], dim=2), torch.cat([values, value_states[:, :, count:]], dim=2)
 
     def move_columns(self, source: torch.Tensor, dest: torch.Tensor) -> None:
-        """Copy every layer's keys/values at columns `source` [b, n] to columns `dest` [b, n] (all read first)."""
+        """Copy every layer's keys/values at columns `source` [b, n] to columns `dest` [b, n] (all read first). The row
+        indices are computed once per buffer shape and device, so each buffer costs one gather and one scatter."""
+        rows = {}
         for buffers in (self.keys, self.values):
             for buffer in buffers:
-                if buffer is not None:
-                    flat = buffer.view(-1, buffer.shape[-1])
-                    flat.index_copy_(0, flat_rows(buffer, dest), flat.index_select(0, flat_rows(buffer, source)))
+                if buffer is None:
+                    continue
+                key = (buffer.device, buffer.shape)
+                if key not in rows:
+                    rows[key] = flat_rows(buffer, source), flat_rows(buffer, dest)
+                read, write = rows[key]
+                flat = buffer.view(-1, buffer.shape[-1])
+                flat.index_copy_(0, write, flat.index_select(0, read))
 
     def _index_for(self, buffer: torch.Tensor) -> torch.Tensor:
         """Row indices of `buffer` viewed as [b * heads * capacity, head_dim] for the write columns, [b*heads*n]."""
