@@ -243,26 +243,42 @@ def command_train(args) -> None:
 
 # ------------------------------------------------------------------------------------------------ precompile / cache
 def command_precompile(args) -> None:
-    """One short call per batch size with compile="background", then wait for the child: the package is on disk for
-    every later process with the same shapes (on CUDA, requests up to the smallest capacity share one)."""
+    """Short calls with compile="background" for every batch size (and, with --max-length, every buffer capacity up
+    to the one such a request needs), each waiting for its child: the packages are on disk for every later process with
+    the same shapes."""
     import torch
 
+    from dflash2.generation.decode import capacity_for, uses_graphs
+    from dflash2.generation.round_core import columns_per_round, prefill_width
     from dflash2.tasks import chat_prompt_ids
 
     target, tokenizer, drafter = load_pair(args)
     ids = torch.tensor([chat_prompt_ids(tokenizer, "Hello")], device=drafter.device)
     sampling = {"do_sample": False} if args.temperature == 0 else {
         "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    config, graphs = drafter.config, uses_graphs(target, drafter)
+    width = prefill_width(ids.shape[1], config.block_size, bucketed=graphs)
+    fixed = width + columns_per_round(config.block_size, config.tree_nodes)  # columns besides the new tokens
+    new_tokens = [args.max_new_tokens]
+    if args.max_length is not None:  # the largest new-token count of each capacity up to --max-length's
+        capacities, needed = [], fixed + 1
+        while needed <= max(args.max_length, fixed + 1):
+            capacities.append(capacity_for(needed, graphs))
+            needed = capacities[-1] + 1
+        new_tokens = [capacity - fixed for capacity in capacities]
     for batch in args.batch_sizes:
         rows = ids.expand(batch, -1)
-        kwargs = dict(attention_mask=torch.ones_like(rows), max_new_tokens=args.max_new_tokens, assistant_model=drafter,
-                      pad_token_id=tokenizer.eos_token_id, cache_implementation="static", compile="background",
-                      **sampling)
-        target.generate(rows, **kwargs)
-        print(f"dflash2: batch {batch}: building the fused round (a minute or more)...", file=sys.stderr, flush=True)
-        drafter.wait_for_fusion()
-        target.generate(rows, **kwargs)
-        print(f"batch {batch}: {drafter.round_kind(1 << (batch - 1).bit_length())}", flush=True)
+        for max_new_tokens in new_tokens:
+            kwargs = dict(attention_mask=torch.ones_like(rows), max_new_tokens=max_new_tokens, assistant_model=drafter,
+                          pad_token_id=tokenizer.eos_token_id, cache_implementation="static", compile="background",
+                          **sampling)
+            target.generate(rows, **kwargs)
+            capacity = capacity_for(fixed + max_new_tokens, graphs)
+            print(f"dflash2: batch {batch}, {capacity} columns: building the fused round (a minute or more)...",
+                  file=sys.stderr, flush=True)
+            drafter.wait_for_fusion()
+            target.generate(rows, **kwargs)
+            print(f"batch {batch}, {capacity} columns: {drafter.round_kind(1 << (batch - 1).bit_length())}", flush=True)
 
 
 CACHE_FOLDERS = ("fused-rounds", "targets")  # what dflash2 writes under its cache folder
@@ -334,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(precompile)
     precompile.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1],
                             help="batch sizes to build the round for (each rounded up to a power of two)")
+    precompile.add_argument("--max-length", type=positive_int, default=None,
+                            help="build for every buffer capacity up to the one a request of this many tokens (prompt "
+                                 "and new tokens) needs -- on CUDA 512, 1024, ... columns (default: only the capacity "
+                                 "of a short prompt and --max-new-tokens)")
     precompile.set_defaults(run=command_precompile)
 
     cache = commands.add_parser("cache", help="list or clear what dflash2 keeps in its cache folder",

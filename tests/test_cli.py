@@ -274,5 +274,9 @@ def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, mo
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     cli.main(["precompile", "--max-new-tokens", "8"])
     out, err = capsys.readouterr()
-    assert "building the fused round" in err and out.strip() == "batch 1: fused ahead of time"
+    assert "building the fused round" in err and out.strip() == "batch 1, 256 columns: fused ahead of time"
     assert len(list(tmp_path.rglob("*.round"))) == 1
+    cli.main(["precompile", "--max-length", "300"])  # every capacity up to a 300-token request's: 256 (built), 512
+    out, err = capsys.readouterr()
+    assert out.split("\n")[:2] == ["batch 1, 256 columns: fused ahead of time", "batch 1, 512 columns: fused ahead of time"]
+    assert len(list(tmp_path.rglob("*.round"))) == 2

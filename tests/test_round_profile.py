@@ -5,7 +5,8 @@ import json
 from dflash2.lab.round_profile import main
 
 PARTS = ["round", "drafter forward", "LM head + top-k", "pair scores", "selector walk", "verify forward",
-         "greedy accept", "bookkeeping", "sum of parts", "target step (1 token)", "target forward (16 tokens)"]
+         "greedy accept", "bookkeeping", "sum of parts", "target step (1 token)", "target forward (16 tokens)",
+         "target forward (16 tokens, round's capacity)"]
 
 
 def test_smoke_reports_every_part_at_both_shapes(tmp_path):
@@ -18,3 +19,10 @@ def test_smoke_reports_every_part_at_both_shapes(tmp_path):
         assert all(value > 0 for value in result["ms"].values()), result["ms"]
         assert result["block_size"] == 8 and not result["captured"]
         assert result["round_over_verify16"] > 0
+
+
+def test_capacity_sets_the_rounds_buffers_and_the_forward_it_is_compared_with():
+    report = main(["--smoke", "--capacity", "512", "--replays", "1"])
+    result = report["shapes"]["smollm2-135m"]
+    assert result["capacity"] == 512
+    assert result["ms"]["target forward (16 tokens, round's capacity)"] > 0

@@ -35,8 +35,11 @@ from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, 
 from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
-# Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one
-PREFILL_BUCKETS = tuple(2 ** k for k in range(4, 12))  # 16 .. 2048 = PREFILL_CHUNK
+# Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one.
+# Steps of about 1.5x rather than 2x: the padding columns count towards the buffers a request needs, and a round
+# attends over every column of its buffers (a 140-token prompt and 256 new tokens fit 512 columns from a 192 bucket,
+# not from a 256 one)
+PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # up to PREFILL_CHUNK
 
 
 def columns_per_round(block_size: int, tree_nodes: int = 0) -> int:
