@@ -23,6 +23,9 @@
 #                                          # default loop then plain batched generate; a later process's cold start
 #   bash scripts/h200_session.sh batch8-one  # one GPU, one process: batch 8, the default loop and plain batched
 #                                            # generate (static cache), median of three warm calls each
+#   bash scripts/h200_session.sh tree-he   # one GPU: path against a tree of $TREE_NODES nodes (default 16), HumanEval
+#   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
+#   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -102,6 +105,17 @@ plain)  # one GPU: compiled plain decoding, the comparison for `fusion` (cold st
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   step speed-plain 320 -m dflash2.benchmarks.speed --device cuda --methods plain --sections cold,steady,sweep \
     --out "$S/speed-plain.json"
+  ;;
+tree-he|tree-mt)  # one GPU: path against a tree of $TREE_NODES (default 16) nodes, the default (fused) loop, one task
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  task=$([ "$phase" = tree-he ] && echo humaneval || echo mtbench)
+  step "$phase" 560 -m dflash2.benchmarks.speed --device cuda --tasks "$task" --methods dflash2-path,dflash2-tree \
+    --tree-nodes "${TREE_NODES:-16}" --sections steady --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
+    --out "$S/$phase-${TREE_NODES:-16}.json"
+  ;;
+sweep-graph)  # one GPU, no target: the exactness sweep through the graph rounds (path and tree), then the tiny tests
+  (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json"
+   step sweep-graph 300 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s)
   ;;
 tiny)  # one GPU, no target needed (a staging call)
   step gpu-tiny 240 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k "tiny or background"
