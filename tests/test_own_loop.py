@@ -13,7 +13,7 @@ from dflash2.generation.round_core import RoundCore
 from dflash2.training.decoding import left_padded as left_pad
 from dflash2.generation.sampling import Sampling, row_warped_probabilities, speculative_accept, warped_probabilities
 from helpers import (EOS, VOCAB, assert_follows, check_sampling_is_exact, exact_distribution_of_step, sampling_case,
-                     tiny_drafter, tiny_target)
+                     sliding_qwen3, tiny_drafter, tiny_target)
 
 
 def alone(target, prompt, **kwargs):
@@ -52,6 +52,28 @@ def oracle(monkeypatch):
 
     monkeypatch.setattr(RoundCore, "propose", propose)
     return state
+
+
+@pytest.mark.parametrize("make,tree_nodes", [("llama", 0), ("llama", 5), ("sliding", 0), ("sliding", 5)])
+def test_targets_with_eager_attention_equal_plain_greedy(make, tree_nodes, oracle):
+    """transformers' eager attention adds the mask to the scores, so the rounds give the target additive masks (a
+    boolean one would hide nothing there): with attn_implementation="eager", left-padded rows and a single row, path
+    or tree rounds, a full-attention or sliding-window target, every row equals plain greedy."""
+    target = sliding_qwen3() if make == "sliding" else tiny_target("llama", seed=7)
+    target.set_attn_implementation("eager")
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=6, tree_width=2).attach(target)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (11, 4, 8)]
+    references = [alone(target, p, max_new_tokens=20, eos_token_id=None) for p in prompts]
+    oracle["references"] = references
+    ids, mask = left_pad(prompts, 0)
+    settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, assistant_model=drafter,
+                    cache_implementation="static", tree_nodes=tree_nodes)
+    out = target.generate(ids, attention_mask=mask, **settings)
+    for row in range(len(prompts)):
+        assert out[row, ids.shape[1]:].tolist() == references[row], row
+    single = target.generate(torch.tensor([prompts[0]]), **settings)
+    assert single[0, len(prompts[0]):].tolist() == references[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -150,6 +150,7 @@ class RoundCore:
         text = target.config.get_text_config()
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self.target_window = text.sliding_window if "sliding_attention" in layer_types else None
+        self.target_dtype = target.dtype  # of the additive masks the target is given
         self.target_cache = ColumnCache(text.num_hidden_layers, capacity, append_unwritten=False)
         self.draft_cache = ColumnCache(config.num_hidden_layers, capacity, append_unwritten=True)
         self.serial = 0  # requests prefilled so far: what the buffers hold belongs to the latest
@@ -193,14 +194,16 @@ class RoundCore:
     # ------------------------------------------------------------------------------------------ masks
     def target_masks(self, query_columns: torch.Tensor):
         """What verification queries at `query_columns` [b, q] see: real columns up to their own (a padding column
-        sees itself, so no row is empty), within the target's window on its sliding layers. [b, 1, q, capacity]."""
+        sees itself, so no row is empty), within the target's window on its sliding layers. Additive masks
+        [b, 1, q, capacity] (`additive_mask`)."""
         keys = self.columns.view(1, 1, -1)
         queries = query_columns[:, :, None]
         allowed = ((keys >= self.first_column.view(-1, 1, 1)) & (keys <= queries)) | (keys == queries)
         if self.target_window is None:
-            return allowed[:, None]
+            return additive_mask(allowed[:, None], self.target_dtype)
         sliding = allowed & (queries - keys < self.target_window)
-        return {"full_attention": allowed[:, None], "sliding_attention": sliding[:, None]}
+        return {"full_attention": additive_mask(allowed[:, None], self.target_dtype),
+                "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
 
     # ------------------------------------------------------------------------------------------ one round
     def draft_block(self) -> torch.Tensor:
@@ -307,7 +310,8 @@ class RoundCore:
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
-        root path (themselves included); within the target's window on its sliding layers. [b, 1, N, capacity]."""
+        root path (themselves included); within the target's window on its sliding layers. Additive masks
+        [b, 1, N, capacity]."""
         nodes = tree.tokens.shape[1]
         keys = self.columns.view(1, 1, -1)
         start, first = self.start.view(-1, 1, 1), self.first_column.view(-1, 1, 1)
@@ -316,12 +320,13 @@ class RoundCore:
         on_root_path = tree.ancestors.gather(2, slot.clamp(0, nodes - 1).expand(-1, nodes, -1)) & in_tree
         allowed = ((keys >= first) & (keys < start)) | on_root_path  # [b, N, C]
         if self.target_window is None:
-            return allowed[:, None]
+            return additive_mask(allowed[:, None], self.target_dtype)
         depth_of_slot = tree.depth.gather(1, slot.clamp(0, nodes - 1).squeeze(1)).unsqueeze(1)
         key_positions = torch.where(in_tree, start - first + depth_of_slot, keys - first)
         query_positions = (start - first).view(-1, 1, 1) + tree.depth.unsqueeze(-1)
         sliding = allowed & (query_positions - key_positions < self.target_window)
-        return {"full_attention": allowed[:, None], "sliding_attention": sliding[:, None]}
+        return {"full_attention": additive_mask(allowed[:, None], self.target_dtype),
+                "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
 
     def keep_path(self, path: torch.Tensor) -> None:
         """Move the target keys/values of the accepted path's nodes (path [b, B], by depth) to columns start ..
@@ -485,6 +490,13 @@ class RoundCore:
                 position_ids=(torch.cat([columns, block_columns], dim=1) - first).clamp(min=0),
                 attention_mask=drafter.attention_masks(block_columns - first, key_columns - first, visible),
                 cache=self.draft_cache)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive one every attention implementation reads the same way: 0 where allowed, the
+    dtype's lowest value elsewhere. transformers' eager attention adds the mask to the scores (a boolean mask would
+    hide nothing there), and SDPA converts a boolean mask again in every layer."""
+    return (~allowed).to(dtype) * torch.finfo(dtype).min
 
 
 def check_tree_nodes(tree_nodes: int, config) -> None:
