@@ -4,29 +4,29 @@
 """
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from dflash2.generation import DFlash2Drafter, load_target
+from dflash2.pairs import DEFAULT_DRAFTER
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
 torch.set_num_threads(1)
-SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
-drafter = DFlash2Drafter.from_pretrained(str(SHIPPED), dtype=torch.float32)
+drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 configs = [int(x) for x in sys.argv[5].split(",")]
 for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [drafter.config.tree_width]):
     drafter.config.tree_width = w
+    drafter.release()  # runners are built with the width they found: build them again with this one
     for nodes in configs:
         tokens = forwards = 0
         t0 = time.time()
         for p in task_prompts(task, n, skip=skip):
             ids = torch.tensor([chat_prompt_ids(tok, p)])
-            out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new,
-                                  cache_implementation="static", tree_nodes=nodes)
+            target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new,
+                            cache_implementation="static", tree_nodes=nodes)
             tokens += drafter.last_stats.completion_tokens
             forwards += drafter.last_stats.target_forwards
         print(f"{task} width {w} nodes {nodes}: tau {tokens/forwards:.3f} ({time.time()-t0:.0f}s)", flush=True)

@@ -194,16 +194,21 @@ class RoundCore:
     # ------------------------------------------------------------------------------------------ masks
     def target_masks(self, query_columns: torch.Tensor):
         """What verification queries at `query_columns` [b, q] see: real columns up to their own (a padding column
-        sees itself, so no row is empty), within the target's window on its sliding layers. Additive masks
-        [b, 1, q, capacity] (`additive_mask`)."""
+        sees itself, so no row is empty), within the target's window on its sliding layers (`layer_masks`)."""
         keys = self.columns.view(1, 1, -1)
         queries = query_columns[:, :, None]
         allowed = ((keys >= self.first_column.view(-1, 1, 1)) & (keys <= queries)) | (keys == queries)
         if self.target_window is None:
-            return additive_mask(allowed[:, None], self.target_dtype)
-        sliding = allowed & (queries - keys < self.target_window)
-        return {"full_attention": additive_mask(allowed[:, None], self.target_dtype),
-                "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
+            return self.layer_masks(allowed)
+        return self.layer_masks(allowed, allowed & (queries - keys < self.target_window))
+
+    def layer_masks(self, allowed: torch.Tensor, sliding: torch.Tensor | None = None):
+        """The target's masks from what its queries may see, [b, q, capacity] (and, with a window, what its sliding
+        layers may see): additive masks [b, 1, q, capacity] (`additive_mask`), one per layer type when there are two."""
+        full = additive_mask(allowed[:, None], self.target_dtype)
+        if sliding is None:
+            return full
+        return {"full_attention": full, "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
 
     # ------------------------------------------------------------------------------------------ one round
     def draft_block(self) -> torch.Tensor:
@@ -310,8 +315,7 @@ class RoundCore:
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
-        root path (themselves included); within the target's window on its sliding layers. Additive masks
-        [b, 1, N, capacity]."""
+        root path (themselves included); within the target's window on its sliding layers (`layer_masks`)."""
         nodes = tree.tokens.shape[1]
         keys = self.columns.view(1, 1, -1)
         start, first = self.start.view(-1, 1, 1), self.first_column.view(-1, 1, 1)
@@ -320,13 +324,11 @@ class RoundCore:
         on_root_path = tree.ancestors.gather(2, slot.clamp(0, nodes - 1).expand(-1, nodes, -1)) & in_tree
         allowed = ((keys >= first) & (keys < start)) | on_root_path  # [b, N, C]
         if self.target_window is None:
-            return additive_mask(allowed[:, None], self.target_dtype)
+            return self.layer_masks(allowed)
         depth_of_slot = tree.depth.gather(1, slot.clamp(0, nodes - 1).squeeze(1)).unsqueeze(1)
         key_positions = torch.where(in_tree, start - first + depth_of_slot, keys - first)
         query_positions = (start - first).view(-1, 1, 1) + tree.depth.unsqueeze(-1)
-        sliding = allowed & (query_positions - key_positions < self.target_window)
-        return {"full_attention": additive_mask(allowed[:, None], self.target_dtype),
-                "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
+        return self.layer_masks(allowed, allowed & (query_positions - key_positions < self.target_window))
 
     def keep_path(self, path: torch.Tensor) -> None:
         """Move the target keys/values of the accepted path's nodes (path [b, B], by depth) to columns start ..
