@@ -186,15 +186,26 @@ def device_ms(fn, device, replays: int = 50, repeats: int = 3) -> float:
 
 
 @torch.no_grad()
-def time_forward(model, tokens: int, context: int, replays: int = 50, capacity: int | None = None) -> float:
+def time_forward(model, tokens: int, context: int, replays: int = 50, capacity: int | None = None,
+                 compile: bool = False) -> float:
     """Milliseconds of one forward of `tokens` new tokens (and their argmax) after `context` cached ones, in a static
     cache of `capacity` columns (default: the plain loop's for context + tokens): 1 token is a plain decoding step,
-    16 a 16-token verify forward. Captured as a CUDA graph and replayed on one CUDA device, plain calls elsewhere.
-    Each call ends by moving the cache's write columns back by `tokens` (one small kernel), so every replay writes
-    and reads the same columns."""
+    16 a 16-token verify forward. `compile`: fused by inductor first, like the plain loop's `compile=True` step.
+    Captured as a CUDA graph and replayed on one CUDA device, plain calls elsewhere."""
+    from dflash2.generation.graphs import CapturedGraph
+
+    step = forward_fn(model, tokens, context, capacity, compile)
+    fn = CapturedGraph(step) if single_cuda_device(model) else step
+    return device_ms(fn, model.get_output_embeddings().weight.device, replays)
+
+
+@torch.no_grad()
+def forward_fn(model, tokens: int, context: int, capacity: int | None = None, compile: bool = False):
+    """A function of no arguments: one forward of `tokens` new tokens (and their argmax) after `context` cached ones
+    in a static cache of `capacity` columns (`time_forward`). Each call ends by moving the cache's write columns back by
+    `tokens` (one small kernel), so every call writes and reads the same columns."""
     from transformers import StaticCache
 
-    from dflash2.generation.graphs import CapturedGraph
     from dflash2.modeling_dflash2 import cache_keyword
 
     device = model.get_output_embeddings().weight.device
@@ -212,5 +223,10 @@ def time_forward(model, tokens: int, context: int, replays: int = 50, capacity: 
         chosen.copy_(model(input_ids=ids, use_cache=True, **keyword).logits.argmax(-1))
         torch._foreach_sub_(counters, tokens)
 
-    fn = CapturedGraph(forward) if single_cuda_device(model) else forward
-    return device_ms(fn, device, replays)
+    step = torch.compile(forward, mode="default", dynamic=False) if compile else forward
+
+    def call():
+        with torch.no_grad():
+            step()
+
+    return call

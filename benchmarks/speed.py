@@ -8,6 +8,8 @@ Reports, in one process on one machine:
 - the steady state: tokens/s, tau, speedup, per-prompt median and max (`--compile`: DFlash 2's inductor-fused round);
 - `--sweep N`: N prompts of N distinct token lengths, fixed new-token count (EOS ignored), at batch 1 and batch 8:
   slowest over median per-prompt time (a recompile or a capture would show as a stall);
+- `settings`: a new temperature / top-k / top-p's first call against its second (ms per round; no core, graph or
+  compile should be built for it);
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
 - the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
   the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
@@ -104,8 +106,9 @@ def main(argv=None):
                         "skip)")
     parser.add_argument("--sweep-tokens", type=int, default=128, help="new tokens per sweep call (EOS ignored)")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16])
-    parser.add_argument("--sections", default="cold,steady,round,sweep,batches",
-                        help="comma-separated parts to run (cold = cold start and first pass)")
+    parser.add_argument("--sections", default="cold,steady,round,settings,sweep,batches",
+                        help="comma-separated parts to run (cold = cold start and first pass; settings = a new "
+                             "sampling setting's first call against its second)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each part)")
     parser.add_argument("--merge", nargs=2, metavar=("DFLASH2_JSON", "PLAIN_JSON"), default=None,
                         help="load no model: merge the reports of a `--methods dflash2` and a `--methods plain` "
@@ -227,6 +230,9 @@ def main(argv=None):
     if "round" in sections and runner is not None:
         measure_round(results, call, encoded, drafter, device)
         save(results, args.out)
+    if "settings" in sections and runner is not None:
+        results["settings_change"] = settings_change(call, encoded, drafter)
+        save(results, args.out)
     if "sweep" in sections and args.sweep:
         results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
         save(results, args.out)
@@ -336,17 +342,47 @@ def measure_round(results, call, encoded, drafter, device):
     results["round"] = {"kind": runner.kind, "replay_ms": round(replay * 1e3, 3), "wall_ms": round(wall * 1e3, 3),
                         "wall_over_replay": round(wall / replay, 3), "capacity": core.capacity,
                         "tau": round(stats.acceptance_length, 3), **({"waited_for_package_s": waited} if waited else {})}
-    results["round"].update(round_against_target_forwards(core.target, ids.shape[1], replay * 1e3))
+    results["round"].update(round_against_target_forwards(core.target, ids.shape[1], replay * 1e3,
+                                                          compile=runner.kind == "graph (fused)"))
     print("round:", json.dumps(results["round"]), flush=True)
 
 
-def round_against_target_forwards(target, context: int, round_ms: float) -> dict:
+SAMPLING_SETTINGS = ({"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
+                     {"do_sample": True, "temperature": 1.0, "top_k": 50}, {"do_sample": True, "temperature": 0.3})
+
+
+def settings_change(call, encoded, drafter) -> dict:
+    """Each of SAMPLING_SETTINGS in turn on one prompt (EOS ignored, so every call decodes `max_new_tokens`): the first
+    call with a setting this process has not run before, then a second call with it, both seeded alike (so both decode
+    the same tokens in as many rounds). Milliseconds per round of each, the first over the second, and the batch-1
+    round runners (their kind and count) before and after: a setting that built a core, captured a graph or compiled
+    would show as a first call slower than the second and a runner more."""
+    ids = next(iter(encoded.values()))[-1]  # the first task's last prompt
+    before = [r.kind for r in drafter.round_runners(batch=1)]
+    rows = []
+    for setting in SAMPLING_SETTINGS:
+        row = {"setting": setting}
+        for name in ("first", "second"):
+            torch.manual_seed(0)  # both calls draw the same noise: the same tokens, the same rounds
+            _, seconds, tokens, stats = call("dflash2", ids, eos_token_id=None, **setting)
+            row[f"{name}_ms_per_round"] = round(seconds * 1e3 / stats.target_forwards, 3)
+            row[f"{name}_tau"] = round(stats.acceptance_length, 3)
+        row["first_over_second"] = round(row["first_ms_per_round"] / row["second_ms_per_round"], 3)
+        rows.append(row)
+        print("settings:", json.dumps(row), flush=True)
+    after = [r.kind for r in drafter.round_runners(batch=1)]
+    return {"prompt_tokens": ids.shape[1], "runners_before": before, "runners_after": after, "calls": rows}
+
+
+def round_against_target_forwards(target, context: int, round_ms: float, compile: bool = False) -> dict:
     """The target's one-token step and 16-token forward after `context` tokens, captured and replayed like the round
-    (`plain_graph.time_forward`), and the round's replay time over each."""
+    (`plain_graph.time_forward`; `compile`: fused by inductor first, as a fused round is), and the round's replay time
+    over each."""
     from dflash2.benchmarks.plain_graph import time_forward
 
-    step, verify = time_forward(target, 1, context), time_forward(target, 16, context)
-    return {"target_step_ms": round(step, 3), "target_forward16_ms": round(verify, 3),
+    step, verify = time_forward(target, 1, context, compile=compile), time_forward(target, 16, context, compile=compile)
+    return {"target_forwards": "fused" if compile else "eager kernels",
+            "target_step_ms": round(step, 3), "target_forward16_ms": round(verify, 3),
             "round_over_forward16": round(round_ms / verify, 3), "round_over_step": round(round_ms / step, 3)}
 
 

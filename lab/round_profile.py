@@ -23,7 +23,7 @@ by inductor first, like `compile=True`'s round) and replayed back to back, timed
 - `greedy accept`: the accepted length and the next token (`greedy_accept`);
 - `bookkeeping`: `RoundCore.accept` (tokens into the output stream, state advanced);
 and, for the round-vs-verify ratio, the target's plain one-token step and 16-token forward in transformers' static
-cache (`plain_graph.time_forward`, captured the same way). The rows are asked for few new tokens, so they finish
+cache (`plain_graph.time_forward`, captured the same way, and with `--compile` fused the same way too). The rows are asked for few new tokens, so they finish
 within the first replays and freeze: a frozen round runs the same kernels, and no replay writes past the buffers.
 On a CPU the parts run as plain calls (a smoke test of the code, not a measurement).
 """
@@ -102,15 +102,16 @@ def round_parts(core) -> dict:
         accepted, next_token = greedy_accept(tokens, logits)
     vocab = drafter.config.vocab_size
 
+    # each part returns what it computes: a compiled part whose results went nowhere would be optimised away
     def lm_head_topk():
-        drafter.unary_logits(rows).float().topk(selector.top_k, dim=-1)
+        return drafter.unary_logits(rows).float().topk(selector.top_k, dim=-1)
 
     def pair_scores():
-        selector(rows, top_scores, candidates, core.anchor)
+        return selector(rows, top_scores, candidates, core.anchor)
 
     def selector_walk():
         chosen, row_scores = walk_path(pairs, candidates)
-        scatter_scores(row_scores, candidates, vocab)
+        return chosen, scatter_scores(row_scores, candidates, vocab)
 
     return {"round": core.round,
             "drafter forward": core.draft_block,
@@ -135,11 +136,43 @@ def runnable(fn, compile: bool, capture: bool):
     return CapturedGraph(part) if capture else part
 
 
-def profile(target, drafter, context: int, compile: bool, replays: int, capacity: int | None = None) -> dict:
+FORWARDS = {"step": (1, "target step (1 token)", None), "forward16": (16, "target forward (16 tokens)", None),
+            "forward16-capacity": (16, "target forward (16 tokens, round's capacity)", "round")}  # key: (tokens,
+# name, cache columns)
+
+
+def kernel_table(fn, calls: int = 20, top: int = 40) -> dict:
+    """The device kernels one call of `fn` launches (run uncaptured, `calls` times under torch.profiler): kernels per
+    call, device microseconds per call, and the `top` kernels by device time (name, launches and microseconds per
+    call). Comparing two functions' tables shows which kernels one adds to the other."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if micros and event.count:
+            rows.append({"kernel": event.key[:120], "per_call": round(event.count / calls, 2),
+                         "us_per_call": round(micros / calls, 2)})
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return {"kernels_per_call": round(sum(r["per_call"] for r in rows), 1),
+            "us_per_call": round(sum(r["us_per_call"] for r in rows), 1), "top": rows[:top]}
+
+
+def profile(target, drafter, context: int, compile: bool, replays: int, capacity: int | None = None,
+            parts: tuple[str, ...] | None = None, kernels: bool = False,
+            forwards: tuple[str, ...] | None = None) -> dict:
     """Milliseconds of the round, each of its parts and the target's plain step and 16-token forward (in the plain
     loop's cache, and in a static cache of the round's capacity). `capacity`: the round's buffer columns (default:
-    what DFlash 2's own loop gives the request)."""
-    from dflash2.benchmarks.plain_graph import device_ms, time_forward
+    what DFlash 2's own loop gives the request). `parts`: only these of the round's parts (default: all). `kernels`:
+    each part's and the 16-token forward's kernel table (`kernel_table`, uncaptured) too. `forwards`: only these of
+    the target's forwards (FORWARDS keys; default: all)."""
+    from dflash2.benchmarks.plain_graph import device_ms, forward_fn, time_forward
     from dflash2.generation.decode import capacity_for, uses_graphs
     from dflash2.generation.round_core import RoundCore, prefill_width
 
@@ -152,21 +185,33 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), max_new_tokens)
-    parts = round_parts(core)
+    parts = {name: fn for name, fn in round_parts(core).items() if parts is None or name in parts}
     result = {"capacity": capacity, "block_size": block, "context": context, "captured": capture,
               "compiled": compile, "ms": {}}
     for name, fn in parts.items():
         result["ms"][name] = round(device_ms(runnable(fn, compile, capture), device, replays), 4)
         print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
-    result["ms"]["sum of parts"] = round(sum(v for k, v in result["ms"].items() if k != "round"), 4)
+    if len(parts) == len(round_parts(core)):
+        result["ms"]["sum of parts"] = round(sum(v for k, v in result["ms"].items() if k != "round"), 4)
     with torch.no_grad():
-        for tokens, name, columns in ((1, "target step (1 token)", None), (16, "target forward (16 tokens)", None),
-                                      (16, "target forward (16 tokens, round's capacity)", capacity)):
-            result["ms"][name] = round(time_forward(target, tokens, context, replays, capacity=columns), 4)
+        for key, (tokens, name, columns) in FORWARDS.items():
+            if forwards is not None and key not in forwards:
+                continue
+            columns = capacity if columns == "round" else None
+            result["ms"][name] = round(time_forward(target, tokens, context, replays, capacity=columns,
+                                                    compile=compile), 4)
             print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
+    if kernels:
+        with torch.no_grad():
+            result["kernels"] = {name: kernel_table(runnable(fn, compile, capture=False)) for name, fn in parts.items()}
+            result["kernels"]["target forward (16 tokens, round's capacity)"] = kernel_table(
+                forward_fn(target, 16, context, capacity, compile))
     ms = result["ms"]
-    result["round_over_verify16"] = round(ms["round"] / ms["target forward (16 tokens)"], 3)
-    result["round_over_step"] = round(ms["round"] / ms["target step (1 token)"], 3)
+    for ratio, forward in (("round_over_verify16", "target forward (16 tokens)"),
+                           ("round_over_verify16_round_capacity", "target forward (16 tokens, round's capacity)"),
+                           ("round_over_step", "target step (1 token)")):
+        if "round" in ms and forward in ms:
+            result[ratio] = round(ms["round"] / ms[forward], 3)
     return result
 
 
@@ -178,9 +223,12 @@ def table(report: dict) -> str:
                   f"{'fused' if result['compiled'] else 'eager kernels'}, "
                   f"{'CUDA graphs' if result['captured'] else 'plain calls'})", "", "| part | ms | share of round |",
                   "| --- | --- | --- |"]
-        lines += [f"| {name} | {value:.3f} | {value / ms['round']:.0%} |" for name, value in ms.items()]
-        lines += ["", f"round / 16-token forward: {result['round_over_verify16']}; round / one-token step: "
-                      f"{result['round_over_step']}", ""]
+        base = ms.get("round") or max(ms.values())
+        lines += [f"| {name} | {value:.3f} | {value / base:.0%} |" for name, value in ms.items()]
+        lines += [""] + [f"{name}: {value}" for name, value in result.items() if name.startswith("round_over")] + [""]
+        for name, kernels in result.get("kernels", {}).items():
+            lines += [f"{name}: {kernels['kernels_per_call']} kernels, {kernels['us_per_call']} us per call"]
+            lines += [f"    {k['per_call']:6.2f} x {k['us_per_call']:8.2f} us  {k['kernel']}" for k in kernels["top"]]
     return "\n".join(lines)
 
 
@@ -197,8 +245,17 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a test, not a measurement)")
+    parser.add_argument("--parts", default=None,
+                        help="comma-separated parts to time (default: all), e.g. 'round,verify forward'")
+    parser.add_argument("--forwards", default=None,
+                        help=f"comma-separated target forwards to time, of {', '.join(FORWARDS)} (default: all)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also each part's kernels (launches, device time; torch.profiler, uncaptured) and the "
+                             "16-token forward's, to see which kernels the round adds (CUDA only)")
     parser.add_argument("--out", default=None, help="JSON report")
     args = parser.parse_args(argv)
+    args.parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
+    args.forwards = tuple(p.strip() for p in args.forwards.split(",")) if args.forwards else None
     args.shape = [s.strip() for s in args.shape.split(",") if s.strip()]
     unknown = sorted(set(args.shape) - set(SHAPES))
     if unknown:
@@ -221,7 +278,7 @@ def main(argv=None) -> dict:
         print(f"== {shape}", flush=True)
         target, drafter = build_pair(shape, args.device, args.dtype, args.block_size, args.smoke)
         report["shapes"][shape] = profile(target, drafter, args.context, args.compile, args.replays,
-                                            args.capacity)
+                                            args.capacity, args.parts, args.kernels, args.forwards)
         drafter.detach(target)
         del target, drafter
         if torch.cuda.is_available():

@@ -121,3 +121,29 @@ def test_acceptance_tau_by_category_and_its_table():
     assert lines[0] == "| τ | d, T 0 | e, T 1 |"
     assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
     assert "| math word problems | 1.50 | 1.50 |" in lines and "| mtbench: all 3 prompts from 0 | 2.67 |  |" in lines
+
+
+def test_speed_settings_change_runs_each_setting_twice_with_the_same_noise():
+    """A new sampling setting's first call against its second: both seeded alike, EOS ignored, per-round times."""
+    import types
+
+    import torch
+
+    from dflash2.benchmarks.speed import SAMPLING_SETTINGS, settings_change
+
+    calls = []
+
+    def call(method, ids, **extra):
+        calls.append((method, extra, torch.rand(1).item()))  # the noise the call would draw
+        stats = types.SimpleNamespace(target_forwards=10, acceptance_length=2.5)
+        return None, 0.02 if len(calls) % 2 else 0.01, 25, stats
+
+    drafter = types.SimpleNamespace(round_runners=lambda batch: [types.SimpleNamespace(kind="graph (fused)")])
+    report = settings_change(call, {"humaneval": [torch.zeros(1, 7, dtype=torch.long)]}, drafter)
+    assert len(calls) == 2 * len(SAMPLING_SETTINGS)
+    for first, second in zip(calls[::2], calls[1::2]):
+        assert first[1] == second[1] and first[1]["eos_token_id"] is None
+        assert first[2] == second[2]  # the same noise
+    row = report["calls"][0]
+    assert (row["first_ms_per_round"], row["second_ms_per_round"], row["first_over_second"]) == (2.0, 1.0, 2.0)
+    assert report["runners_before"] == report["runners_after"] == ["graph (fused)"] and report["prompt_tokens"] == 7

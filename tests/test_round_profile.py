@@ -26,3 +26,10 @@ def test_capacity_sets_the_rounds_buffers_and_the_forward_it_is_compared_with():
     result = report["shapes"]["smollm2-135m"]
     assert result["capacity"] == 512
     assert result["ms"]["target forward (16 tokens, round's capacity)"] > 0
+
+
+def test_parts_and_forwards_select_what_is_timed():
+    report = main(["--smoke", "--replays", "1", "--parts", "round,verify forward", "--forwards", "forward16-capacity"])
+    result = report["shapes"]["smollm2-135m"]
+    assert list(result["ms"]) == ["round", "verify forward", "target forward (16 tokens, round's capacity)"]
+    assert set(k for k in result if k.startswith("round_over")) == {"round_over_verify16_round_capacity"}
