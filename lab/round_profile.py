@@ -172,7 +172,8 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
     what DFlash 2's own loop gives the request). `parts`: only these of the round's parts (default: all). `kernels`:
     each part's and the 16-token forward's kernel table (`kernel_table`, uncaptured) too. `forwards`: only these of
     the target's forwards (FORWARDS keys; default: all)."""
-    from dflash2.benchmarks.plain_graph import device_ms, forward_fn, time_forward
+    from dflash2.benchmarks.plain_graph import device_ms, forward_fn
+    from dflash2.generation.graphs import CapturedGraph
     from dflash2.generation.decode import capacity_for, uses_graphs
     from dflash2.generation.round_core import RoundCore, prefill_width
 
@@ -193,19 +194,19 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
         print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
     if len(parts) == len(round_parts(core)):
         result["ms"]["sum of parts"] = round(sum(v for k, v in result["ms"].items() if k != "round"), 4)
+    kernel_tables = {name: kernel_table(runnable(fn, compile, capture=False)) for name, fn in parts.items()} \
+        if kernels else {}
     with torch.no_grad():
         for key, (tokens, name, columns) in FORWARDS.items():
             if forwards is not None and key not in forwards:
                 continue
-            columns = capacity if columns == "round" else None
-            result["ms"][name] = round(time_forward(target, tokens, context, replays, capacity=columns,
-                                                    compile=compile), 4)
+            forward = forward_fn(target, tokens, context, capacity if columns == "round" else None, compile)
+            result["ms"][name] = round(device_ms(CapturedGraph(forward) if capture else forward, device, replays), 4)
             print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
+            if kernels and tokens == 16:
+                kernel_tables[name] = kernel_table(forward)  # the same compiled forward, uncaptured
     if kernels:
-        with torch.no_grad():
-            result["kernels"] = {name: kernel_table(runnable(fn, compile, capture=False)) for name, fn in parts.items()}
-            result["kernels"]["target forward (16 tokens, round's capacity)"] = kernel_table(
-                forward_fn(target, 16, context, capacity, compile))
+        result["kernels"] = kernel_tables
     ms = result["ms"]
     for ratio, forward in (("round_over_verify16", "target forward (16 tokens)"),
                            ("round_over_verify16_round_capacity", "target forward (16 tokens, round's capacity)"),
