@@ -56,3 +56,26 @@ def test_the_plain_graph_step_reads_nothing_on_the_host():
     loop = PlainGraphLoop(target, 1, 64, eos_token_ids=list(range(3, 19)), capture=False)
     loop.prefill(torch.tensor([[5, 6, 7]]))
     assert host_reads(loop.step) == set()
+
+
+@pytest.mark.parametrize("round_name,tree_nodes", [("round", 0), ("round", 5), ("sampled_round", 0)])
+def test_the_fused_round_writes_its_caches_in_place(round_name, tree_nodes):
+    """Inductor must write the new keys/values into the cache buffers themselves: a write it cannot re-place (a
+    `scatter_` into the buffer was one) makes it copy every layer's whole key and value buffers in every round. The
+    compiled round's code (greedy, tree, sampled) allocates no buffer of a cache's shape."""
+    from torch._inductor.utils import run_and_get_code
+
+    target = tiny_target("llama", seed=2, layers=2)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=6, tree_width=2, target_layer_ids=[0, 1])
+    core = RoundCore(target, drafter.attach(target), 1, 96, tree_nodes=tree_nodes)
+    ids = torch.randint(4, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
+    core.set_sampling(Sampling(True, 0.8, 5, 0.9) if round_name == "sampled_round" else Sampling(), [EOS])
+    core.prefill(ids, torch.ones_like(ids), 40)
+    round_fn = getattr(RoundCore, round_name).__wrapped__  # without its no_grad decorator
+    round_fn(core)  # every cache buffer exists before the compile
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(round_fn, dynamic=False), core)
+    shapes = {tuple(b.shape) for cache in (core.target_cache, core.draft_cache) for b in cache.keys + cache.values}
+    assert all(len(shape) == 4 and shape[2] == 96 for shape in shapes), shapes
+    for shape in shapes:
+        assert f"empty_strided_cpu({shape}" not in "\n".join(code), f"the fused round copies cache buffers {shape}"
