@@ -26,6 +26,7 @@
 #   bash scripts/h200_session.sh tree-he   # one GPU: path against a tree of $TREE_NODES nodes (default 16), HumanEval
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
+#   bash scripts/h200_session.sh sweep-fused-0  # (and -1, -2) one GPU, no target: the sweep's fused cases, one pair
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -114,8 +115,13 @@ tree-he|tree-mt)  # one GPU: path against a tree of $TREE_NODES (default 16) nod
     --out "$S/$phase-${TREE_NODES:-16}.json"
   ;;
 sweep-graph)  # one GPU, no target: the exactness sweep through the graph rounds (path and tree), then the tiny tests
-  (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json"
+  (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json" DFLASH2_SWEEP_CASES="${SWEEP_CASES:-300}"
    step sweep-graph 300 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s)
+  ;;
+sweep-fused-0|sweep-fused-1|sweep-fused-2)  # one GPU, no target: the sweep through the fused rounds, one pair per call
+  (export DFLASH2_SWEEP_FUSED=only DFLASH2_SWEEP_PAIRS="${phase#sweep-fused-}" DFLASH2_SWEEP_OUT="$S/$phase.json" \
+     DFLASH2_SWEEP_CASES="${SWEEP_CASES:-80}"
+   step "$phase" 540 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s)
   ;;
 tiny)  # one GPU, no target needed (a staging call)
   step gpu-tiny 240 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k "tiny or background"

@@ -14,7 +14,9 @@ runs once per row of a pool (its continuation with EOS is the one without, cut a
 max_new_tokens is a prefix), and the cases draw their rows from the pool, so the sweep is bound by DFlash 2's calls.
 DFLASH2_SWEEP_CASES sets the number of cases (GPU default 520); the counts go to DFLASH2_SWEEP_OUT as JSON when set.
 The fused cases cost one inductor build of both rounds per (pair, batch bucket, tree or path), minutes in all;
-DFLASH2_SWEEP_FUSED=0 runs every case through the graph round instead (a quick check of the captured rounds).
+DFLASH2_SWEEP_FUSED=0 runs every case through the graph round instead (a quick check of the captured rounds), and
+DFLASH2_SWEEP_FUSED=only every case through the fused round. DFLASH2_SWEEP_PAIRS (e.g. "0" or "1,2") keeps only those
+pairs, so the fused cases can be split over several runs, each under a time limit (their counts add up).
 On a CPU the same sweep runs 6 cases through the eager round (the code path, not the captured rounds).
 """
 
@@ -149,21 +151,23 @@ def run_case(target, drafter, prompts, free, eos, rows, max_new, compile, device
     return equal, early, sum(drafter.last_stats.accepted_per_position)
 
 
-def sweep(device, cases: int, modes, pool: int = POOL) -> dict:
+def sweep(device, cases: int, modes, pool: int = POOL, pair_indices=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rng = random.Random(0)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cases": 0,
               "rows": 0, "rows_equal": 0, "rows_ending_at_eos": 0, "drafts_accepted": 0, "failures": [],
-              "per_mode": {}, "pairs": [list(p) for p in PAIRS]}
+              "per_mode": {}}
+    pair_indices = list(range(len(PAIRS))) if pair_indices is None else list(pair_indices)
+    report["pairs"] = [list(PAIRS[i]) for i in pair_indices]
     pairs = []
-    for index in range(len(PAIRS)):
+    for index in pair_indices:
         target, drafter = build_pair(index, device)
         prompts, free = plain_pool(target, rng, device, pool)
         pairs.append((target, drafter, prompts, free, common_token(free)))
     for case in range(cases):
-        index = case % len(pairs)
-        target, drafter, prompts, free, eos = pairs[index]
+        target, drafter, prompts, free, eos = pairs[case % len(pairs)]
+        index = pair_indices[case % len(pairs)]
         compile = modes[case // len(pairs) % len(modes)]
         batch = rng.randint(1, min(8, pool)) if compile is False else rng.choice([1, 3, 4])  # fused: buckets 1, 4
         rows = rng.sample(range(pool), batch)
@@ -206,10 +210,19 @@ def test_captured_rounds_equal_plain_greedy_on_hundreds_of_random_cases(monkeypa
         if hasattr(torch._dynamo.config, name):
             monkeypatch.setattr(torch._dynamo.config, name, 64)
     cases = int(os.environ.get("DFLASH2_SWEEP_CASES", 520))
-    modes = (False,) if os.environ.get("DFLASH2_SWEEP_FUSED") == "0" else (False, True)
-    check(sweep(torch.device("cuda"), cases, modes=modes), cases)
+    fused = os.environ.get("DFLASH2_SWEEP_FUSED", "1")
+    modes = {"0": (False,), "only": (True,)}.get(fused, (False, True))
+    pairs = os.environ.get("DFLASH2_SWEEP_PAIRS")
+    pair_indices = [int(i) for i in pairs.split(",")] if pairs else None
+    check(sweep(torch.device("cuda"), cases, modes=modes, pair_indices=pair_indices), cases)
 
 
 def test_sweep_runs_the_eager_round_on_the_cpu(oracle):
     cases = 6
     check(sweep(torch.device("cpu"), cases, modes=(False,), pool=6), cases)
+
+
+def test_sweep_keeps_only_the_pairs_asked_for(oracle):
+    report = sweep(torch.device("cpu"), 2, modes=(False,), pool=4, pair_indices=[2])
+    assert report["pairs"] == [list(PAIRS[2])] and report["cases"] == 2
+    assert report["rows_equal"] == report["rows"]
