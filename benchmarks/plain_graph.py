@@ -229,4 +229,5 @@ def forward_fn(model, tokens: int, context: int, capacity: int | None = None, co
         with torch.no_grad():
             step()
 
+    call.chosen = chosen  # the argmax of the last call
     return call

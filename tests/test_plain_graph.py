@@ -53,6 +53,21 @@ def test_time_forward_replays_the_same_columns():
         assert time_forward(target, tokens, context=12, replays=3) > 0
 
 
+def test_the_fused_forward_computes_what_the_plain_one_does():
+    """forward_fn(compile=True) -- the forward a fused round is compared with -- runs through inductor and picks the
+    same tokens as the uncompiled forward, call after call."""
+    from dflash2.benchmarks.plain_graph import forward_fn
+
+    target = tiny_target("llama", seed=6, layers=2)
+    chosen = {}
+    for compile in (False, True):
+        forward = forward_fn(target, 16, context=12, capacity=64, compile=compile)
+        for _ in range(3):
+            forward()
+        chosen[compile] = forward.chosen.clone()
+    assert torch.equal(chosen[False], chosen[True])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True], ids=["graph", "fused-graph"])
 def test_captured_loop_equals_plain_greedy_on_the_gpu(compile):
