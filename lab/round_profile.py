@@ -23,8 +23,9 @@ by inductor first, like `compile=True`'s round) and replayed back to back, timed
 - `greedy accept`: the accepted length and the next token (`greedy_accept`);
 - `bookkeeping`: `RoundCore.accept` (tokens into the output stream, state advanced);
 and, for the round-vs-verify ratio, the target's plain one-token step and 16-token forward in transformers' static
-cache (`plain_graph.time_forward`, captured the same way, and with `--compile` fused the same way too). The rows are asked for few new tokens, so they finish
-within the first replays and freeze: a frozen round runs the same kernels, and no replay writes past the buffers.
+cache (`plain_graph.forward_fn`, captured the same way, and with `--compile` fused the same way too). The rows are
+asked for few new tokens, so they finish within the first replays and freeze: a frozen round runs the same kernels,
+and no replay writes past the buffers.
 On a CPU the parts run as plain calls (a smoke test of the code, not a measurement).
 """
 
@@ -136,9 +137,10 @@ def runnable(fn, compile: bool, capture: bool):
     return CapturedGraph(part) if capture else part
 
 
+# the target's own forwards timed beside the round, by key: (new tokens, name, cache columns: None for the plain
+# loop's, "round" for the round's capacity)
 FORWARDS = {"step": (1, "target step (1 token)", None), "forward16": (16, "target forward (16 tokens)", None),
-            "forward16-capacity": (16, "target forward (16 tokens, round's capacity)", "round")}  # key: (tokens,
-# name, cache columns)
+            "forward16-capacity": (16, "target forward (16 tokens, round's capacity)", "round")}
 
 
 def kernel_table(fn, calls: int = 20, top: int = 40) -> dict:
@@ -186,13 +188,14 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), max_new_tokens)
-    parts = {name: fn for name, fn in round_parts(core).items() if parts is None or name in parts}
+    every_part = round_parts(core)  # (one eager round fills their inputs)
+    parts = {name: fn for name, fn in every_part.items() if parts is None or name in parts}
     result = {"capacity": capacity, "block_size": block, "context": context, "captured": capture,
               "compiled": compile, "ms": {}}
     for name, fn in parts.items():
         result["ms"][name] = round(device_ms(runnable(fn, compile, capture), device, replays), 4)
         print(f"  {name:18} {result['ms'][name]:8.3f} ms", flush=True)
-    if len(parts) == len(round_parts(core)):
+    if len(parts) == len(every_part):
         result["ms"]["sum of parts"] = round(sum(v for k, v in result["ms"].items() if k != "round"), 4)
     kernel_tables = {name: kernel_table(runnable(fn, compile, capture=False)) for name, fn in parts.items()} \
         if kernels else {}
