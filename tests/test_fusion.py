@@ -432,6 +432,46 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
     assert all(torch.equal(a, b) for a, b in zip(before, program.state()))
 
 
+def test_the_check_leaves_out_what_rejected_drafts_wrote():
+    """A rejected draft leaves its token past the row's output, its features past `start` and its keys/values in cache
+    columns from `start` on, all overwritten before anything reads them. A fused round that differs there alone (as
+    rejected drafts flip on near ties between other kernels in half precision) agrees with the eager round; one that
+    differs in a cache column before `start`, or in the emitted output, does not."""
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 1, 64)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), 40)
+    program = fusion.RoundProgram(core)
+    junk_rows = []
+
+    def differs_in_rejected_drafts():
+        core.round()
+        start, length = int(core.start[0]), int(core.output_length[0])
+        rejected = core.context_columns[0] >= start
+        junk_rows.append(int(rejected.sum()))
+        core.output[0, length:] += 1
+        core.features[0, rejected] += 1
+        for cache in (core.target_cache, core.draft_cache):
+            for buffer in (*cache.keys, *cache.values):
+                buffer[:, :, start:] += 1
+
+    def differs_in(where):
+        def fused():
+            core.round()
+            start, length = int(core.start[0]), int(core.output_length[0])
+            if where == "cache":
+                core.target_cache.values[1][:, :, start - 1] += 1
+            else:
+                core.output[0, length - 1] += 1
+        return fused
+
+    assert fusion.agreement(core, program, differs_in_rejected_drafts) == []
+    assert junk_rows[0] > 0  # the round rejected drafts: their rows were changed
+    assert fusion.agreement(core, program, differs_in("cache"))[0].startswith("target_cache.values[1]: relative error")
+    assert fusion.agreement(core, program, differs_in("output")) == ["output: 1 values differ"]
+
+
 @pytest.mark.parametrize("graphs,compile,background", [(True, None, True), (False, None, False), (True, False, False),
                                                        (False, "background", True), (True, True, False)])
 def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypatch, graphs, compile, background):

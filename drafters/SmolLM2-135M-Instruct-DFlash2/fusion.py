@@ -351,10 +351,12 @@ HALF_TOLERANCE = 5e-2
 
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
-    """Runs `program`'s round eager and `fused` from the same state; [] when they agree (integer state equal, floating
-    state within `FLOAT_TOLERANCE`), else what differed. A draft can flip on a near tie in half precision, so a
-    disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
-    restored after."""
+    """Runs `program`'s round eager and `fused` from the same state; [] when they agree, else what differed. They
+    agree when their live state (`RoundCore.live_entries`: what anything reads later) does: integer state equal,
+    floating state within `FLOAT_TOLERANCE`. Rejected drafts are left out: in half precision their tokens flip on near
+    ties between other kernels, and with them the features and keys written for them. A near tie can also flip an
+    accepted draft or the target's own token, so a disagreeing round is followed by another from the eager round's
+    state, up to `rounds` in all; the core's state is restored after."""
     names = program.state_names()
     buffers = dict(zip(names, program.state()))
     with preserved(core):
@@ -362,10 +364,11 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
             with preserved(core):
                 program.eager()
                 eager = {name: tensor.clone() for name, tensor in buffers.items()}
+                live = core.live_entries()
             with preserved(core):
                 fused()
-                differences = [difference for name in names
-                               if (difference := differs(name, buffers[name], eager[name])) is not None]
+                differences = [difference for name in names if (difference := differs(
+                    name, buffers[name], eager[name], live_mask(name, live))) is not None]
             if not differences:
                 return []
             program.eager()  # the next check starts where the eager round left off
@@ -384,7 +387,20 @@ def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str
         return agreement(core, program, fused)
 
 
-def differs(name: str, fused: torch.Tensor, eager: torch.Tensor) -> str | None:
+def live_mask(name: str, live: dict) -> torch.Tensor | None:
+    """The mask of `live` (`RoundCore.live_entries`) for the state tensor `name`, or None where all of it is live."""
+    if name in live:
+        return live[name]
+    if name.startswith(("target_cache.", "draft_cache.")):
+        return live["cache_columns"][:, None, :, None]  # [b, 1, capacity, 1] over [b, kv heads, capacity, head dim]
+    return None
+
+
+def differs(name: str, fused: torch.Tensor, eager: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
+    """What differs between `fused` and `eager` (where `mask` is True, when given), or None."""
+    if mask is not None:
+        mask = mask.to(eager.device).expand_as(eager)
+        fused, eager = fused[mask], eager[mask]
     if not eager.is_floating_point():
         return None if torch.equal(fused, eager) else f"{name}: {int((fused != eager).sum())} values differ"
     tolerance = FLOAT_TOLERANCE.get(eager.dtype, HALF_TOLERANCE)
