@@ -262,9 +262,9 @@ def test_tree_nodes_from_the_config_and_bad_values():
         tiny_drafter(target, block_size=4, tree_width=0, target_layer_ids=[0, 1])
 
 
-def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_scatter_each():
+def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_index_put_each():
     """The accepted path's keys/values move to the path columns in every layer (checked against a naive copy), and the
-    move launches one gather and one scatter per buffer (its row indices are shared by buffers of one shape): in a
+    move launches one gather and one `index_put_` per buffer (its indices are shared by buffers of one shape): in a
     round captured from eager kernels each op is a launch, and recomputing the indices per layer once made the tree
     round's bookkeeping as long as its verify forward."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -295,5 +295,5 @@ def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_scatte
         for row in range(2):
             expected[row, :, start[row]: start[row] + 4] = old[row, :, [start[row] + n for n in path[row].tolist()]]
         assert torch.equal(new, expected)
-    assert ops.names.count("index_select") == ops.names.count("index_copy_") == len(buffers) == 12
+    assert ops.names.count("index") == ops.names.count("index_put_") == len(buffers) == 12
     assert len([name for name in ops.names if name not in ("view", "expand", "unsqueeze", "slice")]) <= 2 * 12 + 16
