@@ -25,6 +25,8 @@
 #                                            # generate (static cache), median of three warm calls each
 #   bash scripts/h200_session.sh tree-he   # one GPU: path against a tree of $TREE_NODES nodes (default 16), HumanEval
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
+#   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
+#   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
 #   bash scripts/h200_session.sh sweep-fused-0  # (and -1, -2) one GPU, no target: the sweep's fused cases, one pair
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
@@ -113,6 +115,17 @@ tree-he|tree-mt)  # one GPU: path against a tree of $TREE_NODES (default 16) nod
   step "$phase" 560 -m dflash2.benchmarks.speed --device cuda --tasks "$task" --methods dflash2-path,dflash2-tree \
     --tree-nodes "${TREE_NODES:-16}" --sections steady --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
     --out "$S/$phase-${TREE_NODES:-16}.json"
+  ;;
+tree-both)  # one GPU: tree-he then tree-mt in one call (each about 200 s with the background builds)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  for task in humaneval mtbench; do
+    step "tree-$task" 280 -m dflash2.benchmarks.speed --device cuda --tasks "$task" --methods dflash2-path,dflash2-tree \
+      --tree-nodes "${TREE_NODES:-16}" --sections steady --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
+      --out "$S/tree-$task-${TREE_NODES:-16}.json"
+  done ;;
+round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
+  step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
+    --forwards forward16 --out "$S/round-ratio.json"
   ;;
 sweep-graph)  # one GPU, no target: the exactness sweep through the graph rounds (path and tree), then the tiny tests
   (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json" DFLASH2_SWEEP_CASES="${SWEEP_CASES:-300}"
