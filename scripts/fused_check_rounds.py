@@ -4,8 +4,9 @@
     python scripts/fused_check_rounds.py --device cpu --dtype bfloat16 --package /tmp/fused-check   # builds it once
 
 For each prompt (MT-Bench 0.., HumanEval 100..) it prefills the default target's round core and runs `--rounds`
-rounds; each round runs eager and fused from the same state and prints the tokens each emitted, whether the whole state
-agreed and whether the live state (`RoundCore.live_entries`) agreed, then continues from the eager round's state.
+rounds; each round runs eager and fused from the same state (`fusion.round_differences`) and prints the tokens the eager
+round emitted, whether the whole state agreed and whether the live state (`RoundCore.live_entries`) agreed, then
+continues from the eager round's state.
 """
 
 import argparse
@@ -55,31 +56,20 @@ def main():
     program = fusion.RoundProgram(core)
     with zipfile.ZipFile(path) as package:
         fused = fusion.loaded_round(program, package.open(fusion.ROUND_ENTRIES[False]))
-    names = program.state_names()
-    buffers = dict(zip(names, program.state()))
     totals = {"whole": 0, "live": 0, "rounds": 0}
     for task, text in prompts:
         prefill(text)
         for index in range(args.rounds):
+            whole = fusion.round_differences(core, program, fused, live_only=False)
+            in_live = fusion.round_differences(core, program, fused)
             begin = int(core.output_length[0])
-            with fusion.preserved(core):
-                program.eager()
-                eager = {name: tensor.clone() for name, tensor in buffers.items()}
-                live = core.live_entries()
-            with fusion.preserved(core):
-                fused()
-                whole = [d for name in names if (d := fusion.differs(name, buffers[name], eager[name])) is not None]
-                in_live = [d for name in names if (d := fusion.differs(
-                    name, buffers[name], eager[name], fusion.live_mask(name, live))) is not None]
-                fused_tokens = core.output[0, begin: int(core.output_length[0])].tolist()
-            eager_tokens = eager["output"][0, begin: int(eager["output_length"][0])].tolist()
+            program.eager()  # the next round starts where the eager round left off
             totals["whole"] += not whole
             totals["live"] += not in_live
             totals["rounds"] += 1
-            print(f"{task} round {index}: eager {eager_tokens} fused {fused_tokens}; whole state "
-                  f"{'agrees' if not whole else 'differs: ' + '; '.join(whole[:3])}; live state "
+            print(f"{task} round {index}: eager {core.output[0, begin: int(core.output_length[0])].tolist()}; whole "
+                  f"state {'agrees' if not whole else 'differs: ' + '; '.join(whole[:3])}; live state "
                   f"{'agrees' if not in_live else 'differs: ' + '; '.join(in_live[:3])}", flush=True)
-            program.eager()
     print(f"rounds agreeing: whole state {totals['whole']}/{totals['rounds']}, live state {totals['live']}/"
           f"{totals['rounds']}")
 

@@ -27,6 +27,16 @@ GREEDY = [Sampling()] * 3
 SAMPLED = [Sampling(True, 0.8, 0, 0.9), Sampling(True, 1.3, 5, 1.0), Sampling(True, 0.6, 0, 1.0)]
 
 
+def prefilled_core(max_new_tokens: int) -> RoundCore:
+    """A batch-1 round core of a tiny Llama and its drafter (block 4), prefilled with a 7-token prompt."""
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 1, 64)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), max_new_tokens)
+    return core
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bucketed", [True, False], ids=["bucketed-prefill", "unbucketed"])
 def test_package_runs_the_rounds_on_the_callers_own_tensors(tmp_path, bucketed):
@@ -85,11 +95,7 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
 
 @pytest.mark.slow
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
-    target = tiny_target("llama", seed=2)
-    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64)
-    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
-    core.prefill(ids, torch.ones_like(ids), 20)
+    core = prefilled_core(20)
     path = tmp_path / "fused.round"
     fusion.build_package(fusion.spec_of(core), path)
     for name in fusion.ROUND_ENTRIES.values():  # one eager round now differs from what was compiled: noticed
@@ -408,11 +414,7 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
     assert fusion.differs("x", -torch.ones(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)) is not None
     assert "1 values differ" in fusion.differs("t", torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]))
 
-    target = tiny_target("llama", seed=2)
-    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64)
-    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
-    core.prefill(ids, torch.ones_like(ids), 40)
+    core = prefilled_core(40)
     program = fusion.RoundProgram(core)
     before = [t.clone() for t in program.state()]
     calls = []
@@ -437,11 +439,7 @@ def test_the_check_leaves_out_what_rejected_drafts_wrote():
     columns from `start` on, all overwritten before anything reads them. A fused round that differs there alone (as
     rejected drafts flip on near ties between other kernels in half precision) agrees with the eager round; one that
     differs in a cache column before `start`, or in the emitted output, does not."""
-    target = tiny_target("llama", seed=2)
-    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    core = RoundCore(target, drafter, 1, 64)
-    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
-    core.prefill(ids, torch.ones_like(ids), 40)
+    core = prefilled_core(40)
     program = fusion.RoundProgram(core)
     junk_rows = []
 

@@ -351,28 +351,35 @@ HALF_TOLERANCE = 5e-2
 
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
-    """Runs `program`'s round eager and `fused` from the same state; [] when they agree, else what differed. They
-    agree when their live state (`RoundCore.live_entries`: what anything reads later) does: integer state equal,
-    floating state within `FLOAT_TOLERANCE`. Rejected drafts are left out: in half precision their tokens flip on near
-    ties between other kernels, and with them the features and keys written for them. A near tie can also flip an
-    accepted draft or the target's own token, so a disagreeing round is followed by another from the eager round's
-    state, up to `rounds` in all; the core's state is restored after."""
-    names = program.state_names()
-    buffers = dict(zip(names, program.state()))
+    """Runs `program`'s round eager and `fused` from the same state (`round_differences`); [] when they agree, else
+    what differed. A near tie can flip an accepted draft or the target's own token in half precision, so a
+    disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
+    restored after."""
     with preserved(core):
         for _ in range(rounds):
-            with preserved(core):
-                program.eager()
-                eager = {name: tensor.clone() for name, tensor in buffers.items()}
-                live = core.live_entries()
-            with preserved(core):
-                fused()
-                differences = [difference for name in names if (difference := differs(
-                    name, buffers[name], eager[name], live_mask(name, live))) is not None]
+            differences = round_differences(core, program, fused)
             if not differences:
                 return []
             program.eager()  # the next check starts where the eager round left off
     return differences
+
+
+@torch.no_grad()
+def round_differences(core: RoundCore, program: RoundProgram, fused, live_only: bool = True) -> list[str]:
+    """One round eager and one `fused` from the core's current state (restored after): what differed, [] when they
+    agree -- integer state equal, floating state within `FLOAT_TOLERANCE`. `live_only`: only the live state
+    (`RoundCore.live_entries`: what anything reads later). Rejected drafts are left out there: in half precision
+    their tokens flip on near ties between other kernels, and with them the features and keys written for them."""
+    names = program.state_names()
+    buffers = dict(zip(names, program.state()))
+    with preserved(core):
+        program.eager()
+        eager = {name: tensor.clone() for name, tensor in buffers.items()}
+        live = core.live_entries() if live_only else {}
+    with preserved(core):
+        fused()
+        return [difference for name in names if (difference := differs(
+            name, buffers[name], eager[name], live_mask(name, live) if live_only else None)) is not None]
 
 
 @torch.no_grad()
