@@ -59,11 +59,11 @@ def draft_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Tens
                          f"{most_tree_nodes(rows + 1, width, k)} nodes.")
     log_q = pairs.float().log_softmax(-1)  # [b, R, K, K]: the selector's proposal of row t after each predecessor
     # ---- the beam: per depth t+1, `width` (candidate, parent beam slot, sum of log-probabilities)
-    sums, choice = log_q[:, 0, 0].topk(width, dim=-1)  # [b, W]: row 0 follows the anchor
+    sums, choice = stable_top_k(log_q[:, 0, 0], width)  # [b, W]: row 0 follows the anchor
     beam_choice, beam_parent, beam_sum = [choice], [torch.zeros_like(choice)], [sums]
     for t in range(1, rows):
         step = log_q[:, t].gather(1, choice.unsqueeze(-1).expand(-1, -1, k))  # [b, W, K]: after each beam path
-        sums, flat = (sums.unsqueeze(-1) + step).flatten(1).topk(width, dim=-1)  # [b, W]
+        sums, flat = stable_top_k((sums.unsqueeze(-1) + step).flatten(1), width)  # [b, W]
         parent_slot, choice = flat // k, flat % k
         beam_choice.append(choice)
         beam_parent.append(parent_slot)
@@ -74,7 +74,7 @@ def draft_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Tens
     depth_of_row = torch.arange(1, rows + 1, device=candidates.device).view(1, -1, 1)
     # ---- the best nodes - 1 of the pool, parents first (a child's key is strictly below its parent's)
     key = (pool_sum - DEPTH_TIE_BREAK * depth_of_row).flatten(1)  # [b, R*W]
-    kept = key.topk(nodes - 1, dim=-1).indices  # [b, N-1] pool index t * W + w, in decreasing key
+    kept = stable_top_k(key, nodes - 1)[1]  # [b, N-1] pool index t * W + w, in decreasing key
     depth = kept // width + 1
     tokens = candidates.flatten(1).gather(1, (depth - 1) * k + pool_choice.flatten(1).gather(1, kept))
     parent_pool = (depth - 2) * width + pool_parent.flatten(1).gather(1, kept)  # depth 1: the root (-1 + ... < 0)
@@ -85,6 +85,31 @@ def draft_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Tens
     tokens = torch.cat([anchor.view(-1, 1).to(tokens), tokens], dim=1)
     depth, parent = torch.cat([zero, depth], dim=1), torch.cat([zero, parent], dim=1)
     return DraftTree(tokens, depth, parent, ancestor_matrix(parent, rows))
+
+
+def stable_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values.topk(k, dim=-1)` over short rows [b, M] in a stable sort's order: best first, ties to the lower index,
+    a NaN counted as -inf. On CUDA by rank (`top_k_by_rank`); elsewhere by a stable sort (the rank's M x M
+    comparisons cost a CPU more than the sort: 0.85 against 0.33 ms for a fused 16-node tree)."""
+    values = torch.where(values.isnan(), float("-inf"), values)
+    if values.device.type == "cuda":
+        return top_k_by_rank(values, k)
+    top, index = values.sort(dim=-1, descending=True, stable=True)
+    return top[..., :k], index[..., :k]
+
+
+def top_k_by_rank(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of rows [b, M] without NaNs, best first, ties to the lower index: each entry's rank is the number of
+    entries ahead of it, and slot s takes the entry of rank s. Comparisons and sums that inductor fuses; `torch.topk`
+    is a library call of two kernels of its own, and the beam calls it once per draft row (on an H200 they took
+    0.23 ms of a 2.3 ms round with a tree of 16 nodes)."""
+    position = torch.arange(values.shape[-1], device=values.device)
+    other, this = values.unsqueeze(-2), values.unsqueeze(-1)  # [b, 1, M], [b, M, 1]
+    ahead = (other > this) | ((other == this) & (position < position.unsqueeze(-1)))  # [b, M, M]: j ahead of i
+    rank = ahead.sum(-1)  # [b, M], a permutation of 0 .. M-1
+    slot = torch.arange(k, device=values.device).unsqueeze(-1)  # [k, 1]
+    index = ((rank.unsqueeze(-2) == slot) * position).sum(-1)  # [b, k]
+    return values.gather(-1, index), index
 
 
 def ancestor_matrix(parent: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -22,6 +22,10 @@ by inductor first, like `compile=True`'s round) and replayed back to back, timed
 - `verify forward`: `RoundCore.verify`, the target over the block at the round's columns (fp32 logits, taps);
 - `greedy accept`: the accepted length and the next token (`greedy_accept`);
 - `bookkeeping`: `RoundCore.accept` (tokens into the output stream, state advanced);
+with `--tree-nodes N` (a round that verifies a tree of N nodes, `RoundCore.tree_round`), the parts are `drafter
+forward`, `candidate scores` (LM head, top-k, pair scores), `draft tree` (the beam and the kept nodes), `tree masks`
+(part of `verify tree`), `verify tree`, `accept tree`, `keep path` (the accepted path's keys moved to its depths'
+columns) and `bookkeeping`;
 and, for the round-vs-verify ratio, the target's plain one-token step and 16-token forward in transformers' static
 cache (`plain_graph.forward_fn`, captured the same way, and with `--compile` fused the same way too). The rows are
 asked for few new tokens, so they finish within the first replays and freeze: a frozen round runs the same kernels,
@@ -124,6 +128,30 @@ def round_parts(core) -> dict:
             "bookkeeping": lambda: core.accept(block, accepted, next_token, features)}
 
 
+def tree_round_parts(core) -> dict:
+    """`round_parts` for a core that verifies a tree (`tree_nodes` > 0): the parts of `RoundCore.tree_round`."""
+    from dflash2.generation.tree import accept_tree, draft_tree
+
+    drafter = core.drafter
+    with torch.no_grad():
+        hidden = core.draft_block().clone()
+        candidates, pairs = drafter.candidate_scores(core.anchor, hidden)
+        tree = draft_tree(core.anchor, candidates, pairs, core.tree_nodes, core.tree_width)
+        target_tokens, features = core.verify_tree(tree)
+        accepted, next_token, path = accept_tree(tree, target_tokens, core.block_size)
+        path_features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        block = tree.tokens.gather(1, path)
+    return {"round": core.round,
+            "drafter forward": core.draft_block,
+            "candidate scores": lambda: drafter.candidate_scores(core.anchor, hidden),
+            "draft tree": lambda: draft_tree(core.anchor, candidates, pairs, core.tree_nodes, core.tree_width),
+            "tree masks": lambda: core.tree_masks(tree),
+            "verify tree": lambda: core.verify_tree(tree),
+            "accept tree": lambda: accept_tree(tree, target_tokens, core.block_size),
+            "keep path": lambda: core.keep_path(path),
+            "bookkeeping": lambda: core.accept(block, accepted, next_token, path_features)}
+
+
 def runnable(fn, compile: bool, capture: bool):
     """`fn` without gradients, compiled by inductor when asked, captured as a CUDA graph when `capture`."""
     from dflash2.generation.graphs import CapturedGraph
@@ -168,12 +196,13 @@ def kernel_table(fn, calls: int = 20, top: int = 40) -> dict:
 
 def profile(target, drafter, context: int, compile: bool, replays: int, capacity: int | None = None,
             parts: tuple[str, ...] | None = None, kernels: bool = False,
-            forwards: tuple[str, ...] | None = None) -> dict:
+            forwards: tuple[str, ...] | None = None, tree_nodes: int = 0) -> dict:
     """Milliseconds of the round, each of its parts and the target's plain step and 16-token forward (in the plain
     loop's cache, and in a static cache of the round's capacity). `capacity`: the round's buffer columns (default:
     what DFlash 2's own loop gives the request). `parts`: only these of the round's parts (default: all). `kernels`:
     each part's and the 16-token forward's kernel table (`kernel_table`, uncaptured) too. `forwards`: only these of
-    the target's forwards (FORWARDS keys; default: all)."""
+    the target's forwards (FORWARDS keys; default: all). `tree_nodes`: a round that verifies a tree of that many nodes
+    (`tree_round_parts`; 0: the path round)."""
     from dflash2.benchmarks.plain_graph import device_ms, forward_fn
     from dflash2.generation.graphs import CapturedGraph
     from dflash2.generation.decode import capacity_for, uses_graphs
@@ -184,13 +213,14 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
     max_new_tokens = 2 * block  # the rows finish within the first replays, then freeze (same kernels, no overrun)
     width = prefill_width(context, block, bucketed=capture)
     capacity = capacity or capacity_for(width + max_new_tokens + block, capture)
-    core = RoundCore(target, drafter, 1, capacity, bucketed_prefill=capture)  # greedy, no EOS: its initial settings
+    core = RoundCore(target, drafter, 1, capacity, bucketed_prefill=capture,  # greedy, no EOS: its initial settings
+                     tree_nodes=tree_nodes)
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), max_new_tokens)
-    every_part = round_parts(core)  # (one eager round fills their inputs)
+    every_part = (tree_round_parts if tree_nodes else round_parts)(core)  # (one eager round fills their inputs)
     parts = {name: fn for name, fn in every_part.items() if parts is None or name in parts}
-    result = {"capacity": capacity, "block_size": block, "context": context, "captured": capture,
+    result = {"capacity": capacity, "block_size": block, "tree_nodes": tree_nodes, "context": context, "captured": capture,
               "compiled": compile, "ms": {}}
     for name, fn in parts.items():
         result["ms"][name] = round(device_ms(runnable(fn, compile, capture), device, replays), 4)
@@ -223,7 +253,8 @@ def table(report: dict) -> str:
     lines = []
     for shape, result in report["shapes"].items():
         ms = result["ms"]
-        lines += [f"{shape} (block {result['block_size']}, context {result['context']}, capacity {result['capacity']}, "
+        tree = f", a tree of {result['tree_nodes']} nodes" if result.get("tree_nodes") else ""
+        lines += [f"{shape} (block {result['block_size']}{tree}, context {result['context']}, capacity {result['capacity']}, "
                   f"{'fused' if result['compiled'] else 'eager kernels'}, "
                   f"{'CUDA graphs' if result['captured'] else 'plain calls'})", "", "| part | ms | share of round |",
                   "| --- | --- | --- |"]
@@ -256,11 +287,14 @@ def parse_args(argv=None):
     parser.add_argument("--kernels", action="store_true",
                         help="also each part's kernels (launches, device time; torch.profiler, uncaptured) and the "
                              "16-token forward's, to see which kernels the round adds (CUDA only)")
+    parser.add_argument("--tree-nodes", default="0",
+                        help="comma-separated tree sizes, each profiled in turn (0: the path round), e.g. '0,16'")
     parser.add_argument("--out", default=None, help="JSON report")
     args = parser.parse_args(argv)
     args.parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
     args.forwards = tuple(p.strip() for p in args.forwards.split(",")) if args.forwards else None
     args.shape = [s.strip() for s in args.shape.split(",") if s.strip()]
+    args.tree_nodes = [int(n) for n in args.tree_nodes.split(",") if n.strip()]
     unknown = sorted(set(args.shape) - set(SHAPES))
     if unknown:
         parser.error(f"unknown shapes {unknown}; use {', '.join(SHAPES)}")
@@ -281,8 +315,10 @@ def main(argv=None) -> dict:
     for shape in args.shape:
         print(f"== {shape}", flush=True)
         target, drafter = build_pair(shape, args.device, args.dtype, args.block_size, args.smoke)
-        report["shapes"][shape] = profile(target, drafter, args.context, args.compile, args.replays,
-                                            args.capacity, args.parts, args.kernels, args.forwards)
+        for nodes in args.tree_nodes:
+            name = f"{shape}, tree {nodes}" if nodes else shape
+            report["shapes"][name] = profile(target, drafter, args.context, args.compile, args.replays,
+                                             args.capacity, args.parts, args.kernels, args.forwards, nodes)
         drafter.detach(target)
         del target, drafter
         if torch.cuda.is_available():

@@ -27,6 +27,7 @@
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
 #   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
 #   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
+#   bash scripts/h200_session.sh tree-profile # one GPU, no target: the path round and the tree round, part by part
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
 #   bash scripts/h200_session.sh sweep-fused-0  # (and -1, -2) one GPU, no target: the sweep's fused cases, one pair
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
@@ -126,6 +127,10 @@ tree-both)  # one GPU: tree-he then tree-mt in one call (each about 200 s with t
 round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
   step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
     --forwards forward16 --out "$S/round-ratio.json"
+  ;;
+tree-profile)  # one GPU, no target (a staging call): the path round and the tree round of 16 nodes, part by part
+  step tree-profile 560 -m dflash2.lab.round_profile --shape smollm2-135m --compile --tree-nodes 0,16 --kernels \
+    --forwards forward16 --out "$S/tree-profile.json"
   ;;
 sweep-graph)  # one GPU, no target: the exactness sweep through the graph rounds (path and tree), then the tiny tests
   (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json" DFLASH2_SWEEP_CASES="${SWEEP_CASES:-300}"

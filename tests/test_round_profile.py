@@ -33,3 +33,14 @@ def test_parts_and_forwards_select_what_is_timed():
     result = report["shapes"]["smollm2-135m"]
     assert list(result["ms"]) == ["round", "verify forward", "target forward (16 tokens, round's capacity)"]
     assert set(k for k in result if k.startswith("round_over")) == {"round_over_verify16_round_capacity"}
+
+
+def test_tree_nodes_profile_the_tree_round_part_by_part_beside_the_path_round():
+    report = main(["--smoke", "--replays", "1", "--tree-nodes", "0,16", "--forwards", "forward16"])
+    path, tree = report["shapes"]["smollm2-135m"], report["shapes"]["smollm2-135m, tree 16"]
+    assert path["tree_nodes"] == 0 and "selector walk" in path["ms"]
+    assert tree["tree_nodes"] == 16
+    assert list(tree["ms"]) == ["round", "drafter forward", "candidate scores", "draft tree", "tree masks",
+                                "verify tree", "accept tree", "keep path", "bookkeeping", "sum of parts",
+                                "target forward (16 tokens)"]
+    assert all(value > 0 for value in tree["ms"].values()), tree["ms"]

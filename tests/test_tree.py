@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash2.generation.round_core import RoundCore
-from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree
+from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree, stable_top_k, top_k_by_rank
 from dflash2.training.decoding import left_padded as left_pad
 from helpers import EOS, sliding_qwen3, tiny_drafter, tiny_target
 
@@ -66,6 +66,28 @@ def random_scores(batch, rows, k, vocab, seed):
     return candidates, pairs
 
 
+def test_both_top_ks_equal_a_naive_stable_sort_with_ties_infinities_and_nans():
+    """`stable_top_k` (the beam's: a sort on a CPU) and `top_k_by_rank` (its CUDA path) against Python's sorted."""
+    generator = torch.Generator().manual_seed(0)
+    for case in range(60):
+        length = int(torch.randint(1, 260, (1,), generator=generator))
+        k = int(torch.randint(1, length + 1, (1,), generator=generator))
+        values = torch.randn(3, length, generator=generator)
+        if case % 2:  # many ties
+            values = torch.randint(-3, 3, (3, length), generator=generator).float()
+        if case % 3 == 0:
+            values[:, ::4] = float("-inf")
+        if case % 5 == 0:
+            values[:, 1::7] = float("nan")
+        cleaned = torch.where(values.isnan(), float("-inf"), values)
+        for top, index in (stable_top_k(values, k), top_k_by_rank(cleaned, k)):
+            for row in range(3):
+                keyed = cleaned[row].tolist()
+                expected = sorted(range(length), key=lambda i: (-keyed[i], i))[:k]  # best first, lower index first
+                assert index[row].tolist() == expected
+                assert top[row].tolist() == [keyed[i] for i in expected]
+
+
 @pytest.mark.parametrize("batch,rows,k,width,nodes", [(1, 3, 4, 2, 5), (3, 7, 8, 4, 29), (2, 15, 16, 4, 32),
                                                       (2, 15, 16, 8, 64), (4, 5, 6, 1, 6), (2, 7, 5, 3, 9)])
 def test_draft_tree_keeps_the_naive_beams_best_nodes(batch, rows, k, width, nodes):
@@ -85,6 +107,23 @@ def test_draft_tree_keeps_the_naive_beams_best_nodes(batch, rows, k, width, node
                     node = parent[node]
                     on_path.add(node)
                 assert set(torch.nonzero(tree.ancestors[row, n]).flatten().tolist()) == on_path
+
+
+def test_the_beam_by_rank_drafts_the_same_trees_as_by_sort(monkeypatch):
+    """On CUDA the beam ranks instead of sorting: the same trees, ties included (run here on the CPU)."""
+    from dflash2.generation import tree as tree_module
+
+    for seed, (rows, k, width, nodes) in enumerate([(15, 16, 16, 16), (7, 5, 3, 9), (15, 16, 4, 32)] * 3):
+        candidates, pairs = random_scores(2, rows, k, 50, seed)
+        if seed % 3 == 2:
+            pairs = pairs.round()  # ties among sums
+        anchor = torch.tensor([1, 2])
+        by_sort = draft_tree(anchor, candidates, pairs, nodes, width)
+        with monkeypatch.context() as patch:
+            patch.setattr(tree_module, "stable_top_k", top_k_by_rank)
+            by_rank = draft_tree(anchor, candidates, pairs, nodes, width)
+        for field in ("tokens", "depth", "parent", "ancestors"):
+            assert torch.equal(getattr(by_sort, field), getattr(by_rank, field)), (seed, field)
 
 
 def test_ties_never_orphan_a_node():
