@@ -13,7 +13,7 @@ Reports, in one process on one machine:
 - `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
 - the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
   the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
-Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (greedy rounds that
+Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
 verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `plain` (compiled `generate` with a
 static cache) and `plain-graph`, the expert baseline: a plain greedy loop with the step captured as a CUDA graph, no
 `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor

@@ -18,10 +18,11 @@ A round reads top to bottom: `draft_block` -> `propose` -> `verify` -> `accept`.
 and appends the emitted tokens to a per-row output buffer, so rounds can be queued back to back with no host read in
 between; a finished row (EOS or max_new_tokens) freezes until the host notices.
 
-With `tree_nodes` (greedy rounds), `tree_round` verifies a tree instead of a path (`tree.py`): `draft_block` ->
-`draft_tree` -> `verify_tree` (the tree's N nodes at columns start .. start+N-1, each seeing the context and its own
-root path) -> `accept_tree` -> `keep_path` (the accepted path's keys moved to the columns of depths 0 .. B-1) ->
-`accept` with the path as the block, so the state after the round is laid out as after a path round.
+With `tree_nodes`, `tree_round` verifies a tree instead of a path (`tree.py`): `draft_block` -> `draft_tree` ->
+`verify_tree` (the tree's N nodes at columns start .. start+N-1, each seeing the context and its own root path) ->
+`node_tokens` (the target's token after each node: its argmax, or when sampling a sample of its warped distribution)
+-> `accept_tree` -> `keep_path` (the accepted path's keys moved to the columns of depths 0 .. B-1) -> `accept` with
+the path as the block, so the state after the round is laid out as after a path round.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ class RoundCore:
     """Fixed buffers and fixed-shape rounds for (target, drafter, batch, capacity, tree size), greedy and sampled; the
     settings of a request are written into its tensors (`set_sampling`).
 
-    `tree_nodes` > 0: greedy rounds verify a tree of that many nodes (root included, `tree.py`), drafted by a beam of
-    `drafter.config.tree_width`; 0: a path. Sampled rounds always verify a path."""
+    `tree_nodes` > 0: both rounds verify a tree of that many nodes (root included, `tree.py`), drafted by a beam of
+    `drafter.config.tree_width`; 0: a path."""
 
     def __init__(self, target, drafter, batch: int, capacity: int, bucketed_prefill: bool = False, tree_nodes: int = 0):
         config = drafter.config
@@ -189,6 +190,8 @@ class RoundCore:
         self.draft_noise = torch.zeros(batch, block - 1, width, device=device)
         self.uniform = torch.zeros(batch, block - 1, device=device)
         self.bonus_noise = torch.zeros(batch, config.vocab_size, device=device)
+        # a sampled tree round: Gumbel noise for the target's sample after each node
+        self.node_noise = torch.zeros(batch, tree_nodes, config.vocab_size, device=device) if tree_nodes else None
 
     # ------------------------------------------------------------------------------------------ masks
     def target_masks(self, query_columns: torch.Tensor):
@@ -276,7 +279,10 @@ class RoundCore:
     @torch.no_grad()
     def sampled_round(self) -> None:
         """`round` with exact speculative sampling: drafts sampled at each row's temperature, accepted against the
-        target's distribution warped by each row's settings (fill the noise first: `draw_noise`)."""
+        target's distribution warped by each row's settings (fill the noise first: `draw_noise`). With `tree_nodes`,
+        the tree round with the target's tokens sampled (`tree_round`)."""
+        if self.tree_nodes:
+            return self.tree_round(sampled=True)
         hidden = self.draft_block()
         proposal = self.propose(hidden, sampled=True)
         block = torch.cat([self.anchor.view(-1, 1), proposal.tokens], dim=1)
@@ -287,11 +293,13 @@ class RoundCore:
         self.accept(block, accepted, next_token, features)
 
     # ------------------------------------------------------------------------------------------ a round with a tree
-    def tree_round(self) -> None:
-        """draft -> tree -> verify every node -> accept the longest followed root path -> keep it, every shape fixed."""
+    def tree_round(self, sampled: bool = False) -> None:
+        """draft -> tree -> verify every node -> the target's token after each node -> accept the longest root path
+        that follows them -> keep it, every shape fixed. `sampled`: the tokens are samples (`node_tokens`)."""
         hidden = self.draft_block()
         tree = self.draft_tree(hidden)
-        target_tokens, features = self.verify_tree(tree)
+        logits, features = self.verify_tree(tree)
+        target_tokens = self.node_tokens(logits, sampled)
         accepted, next_token, path = accept_tree(tree, target_tokens, self.block_size)  # path [b, B]
         self.keep_path(path)
         path_features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
@@ -304,13 +312,27 @@ class RoundCore:
 
     def verify_tree(self, tree: DraftTree):
         """One target forward over the tree's nodes at columns start .. start+N-1 (positions by depth): the target's
-        argmax after each node [b, N] and the nodes' tapped features [b, N, taps*H]."""
+        logits after each node [b, N, V] and the nodes' tapped features [b, N, taps*H]."""
         node_columns = self.start.view(-1, 1) + self.node_offsets
         self.target_cache.set_write_columns(node_columns)
         positions = self.start.view(-1, 1) - self.first_column.view(-1, 1) + tree.depth
         out = self.target(input_ids=tree.tokens, position_ids=positions, attention_mask=self.tree_masks(tree),
                           use_cache=True, output_hidden_states=True, **{self.cache_keyword: self.target_cache})
-        return out.logits.argmax(-1), tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
+        return out.logits, tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
+
+    def node_tokens(self, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
+        """The target's token after each node [b, N]: its argmax, or (`sampled`) a sample of its distribution warped
+        by the row's settings, by the Gumbel-max trick with the node's own noise (`draw_noise`).
+
+        Sampling stays exact: a round emits the tokens of the nodes it walks through, each node's token a sample of
+        the target's distribution after that node's root path, drawn with noise of its own, so each emitted token
+        is a sample of the target's distribution after everything emitted before it, whichever drafts the tree
+        holds. The drafts only decide how many of those samples one round keeps: a child is walked into when it
+        holds its parent's sample."""
+        if not sampled:
+            return logits.argmax(-1)
+        probabilities = row_warped_probabilities(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
+        return (probabilities.log() + self.node_noise).argmax(-1)
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
@@ -348,8 +370,11 @@ class RoundCore:
                 "cache_columns": self.columns < start}
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
-        """Fill the sampled round's random buffers in place (Gumbel noise for the walk and the bonus, uniforms for the
-        tests)."""
+        """Fill the sampled round's random buffers in place: Gumbel noise for the walk and the bonus and uniforms for
+        the tests of a path round, Gumbel noise per node of a tree round."""
+        if self.tree_nodes:
+            sample_gumbel(self.node_noise.shape, self.device, generator, out=self.node_noise)
+            return
         for buffer in (self.draft_noise, self.bonus_noise):
             sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
         self.uniform.uniform_(generator=generator)

@@ -16,8 +16,11 @@ after its parent; the deepest accepted node ends the accepted path, and the targ
 token. The accepted path, in depth order, takes the place of the path round's block: its tokens are emitted and its
 keys and tapped features are moved to the columns of depths 0 .. B-1 (`RoundCore.tree_round`).
 
-Sampling keeps the path round: exact speculative sampling over a tree (several paths, each with its own proposal
-distribution) is not implemented.
+Sampling (`RoundCore.node_tokens`): the target's token after each node is a sample of its warped distribution instead
+of its argmax, drawn with noise of the node's own, and acceptance is the same walk. A token emitted is then always a
+sample of the target after what was emitted before it, so the output follows the target's distribution exactly; the
+tree only decides how many samples a round keeps (a child is walked into when it holds its parent's sample, which
+happens with the target's probability of that child's token).
 """
 
 from __future__ import annotations

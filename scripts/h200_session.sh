@@ -26,10 +26,12 @@
 #   bash scripts/h200_session.sh tree-he   # one GPU: path against a tree of $TREE_NODES nodes (default 16), HumanEval
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
 #   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
+#   bash scripts/h200_session.sh table     # one GPU: the README table (default loop, tree) against plain-graph
 #   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
 #   bash scripts/h200_session.sh tree-profile # one GPU, no target: the path round and the tree round, part by part
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
 #   bash scripts/h200_session.sh sweep-fused-0  # (and -1, -2) one GPU, no target: the sweep's fused cases, one pair
+#   bash scripts/h200_session.sh sweep-all  # one GPU, no target: sweep-graph and sweep-fused-0/1/2 side by side
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
@@ -124,6 +126,15 @@ tree-both)  # one GPU: tree-he then tree-mt in one call (each about 200 s with t
       --tree-nodes "${TREE_NODES:-16}" --sections steady --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
       --out "$S/tree-$task-${TREE_NODES:-16}.json"
   done ;;
+table)  # one GPU: README's results table with the config's default (the tree), the default loop against the compiled
+        # plain CUDA-graph loop, steady state, one process per task; then a new sampling setting's first call (seeded)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  for task in ${TASKS:-humaneval mtbench}; do
+    sections=steady; [ "$task" = mtbench ] && sections=steady,settings
+    step "table-$task" 290 -m dflash2.benchmarks.speed --device cuda --tasks "$task" --plain-graph-compile \
+      --methods dflash2,plain-graph --sections "$sections" --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
+      --out "$S/table-$task.json"
+  done ;;
 round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
   step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
     --forwards forward16 --out "$S/round-ratio.json"
@@ -141,6 +152,16 @@ sweep-fused-0|sweep-fused-1|sweep-fused-2)  # one GPU, no target: the sweep thro
      DFLASH2_SWEEP_CASES="${SWEEP_CASES:-80}"
    step "$phase" 540 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s)
   ;;
+sweep-all)  # one GPU, no target: the graph sweep and the three pairs' fused sweeps as four processes side by side (the
+           # fused cases are bound by inductor builds, CPU work: in parallel they take about as long as one pair alone)
+  (export DFLASH2_SWEEP_FUSED=0 DFLASH2_SWEEP_OUT="$S/sweep-graph.json" DFLASH2_SWEEP_CASES="${SWEEP_CASES:-300}"
+   step sweep-graph 560 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s) &
+  for pair in 0 1 2; do
+    (export DFLASH2_SWEEP_FUSED=only DFLASH2_SWEEP_PAIRS=$pair DFLASH2_SWEEP_OUT="$S/sweep-fused-$pair.json" \
+       DFLASH2_SWEEP_CASES="${FUSED_CASES:-90}"
+     step "sweep-fused-$pair" 560 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s) &
+  done
+  wait ;;
 tiny)  # one GPU, no target needed (a staging call)
   step gpu-tiny 240 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k "tiny or background"
   ;;

@@ -1,7 +1,10 @@
 """tau of the shipped drafter verifying a path (0) or trees of the given node counts, on a CPU in fp32.
 
     python scripts/tree_tau.py TASK SKIP PROMPTS NEW_TOKENS NODES[,NODES...] [WIDTH[,WIDTH...]]
+
+TEMPERATURE=1.0 (environment) samples at that temperature instead of greedy (each call seeded by its prompt's index).
 """
+import os
 import sys
 import time
 
@@ -23,10 +26,14 @@ for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [dr
     for nodes in configs:
         tokens = forwards = 0
         t0 = time.time()
-        for p in task_prompts(task, n, skip=skip):
+        temperature = float(os.environ.get("TEMPERATURE", 0))
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(
+            do_sample=False)
+        for index, p in enumerate(task_prompts(task, n, skip=skip)):
             ids = torch.tensor([chat_prompt_ids(tok, p)])
-            target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new,
-                            cache_implementation="static", tree_nodes=nodes)
+            torch.manual_seed(index)
+            target.generate(ids, assistant_model=drafter, max_new_tokens=new, cache_implementation="static",
+                            tree_nodes=nodes, **sampling)
             tokens += drafter.last_stats.completion_tokens
             forwards += drafter.last_stats.target_forwards
-        print(f"{task} width {w} nodes {nodes}: tau {tokens/forwards:.3f} ({time.time()-t0:.0f}s)", flush=True)
+        print(f"{task} T {temperature} width {w} nodes {nodes}: tau {tokens/forwards:.3f} ({time.time()-t0:.0f}s)", flush=True)

@@ -58,7 +58,7 @@ def test_the_plain_graph_step_reads_nothing_on_the_host():
     assert host_reads(loop.step) == set()
 
 
-@pytest.mark.parametrize("round_name,tree_nodes", [("round", 0), ("round", 5), ("sampled_round", 0)])
+@pytest.mark.parametrize("round_name,tree_nodes", [("round", 0), ("round", 5), ("sampled_round", 0), ("sampled_round", 5)])
 def test_the_fused_round_writes_its_caches_in_place(round_name, tree_nodes):
     """Inductor must write the new keys/values into the cache buffers themselves: a write it cannot re-place (a
     `scatter_` into the buffer was one) makes it copy every layer's whole key and value buffers in every round. The

@@ -11,7 +11,7 @@ import torch
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree, stable_top_k, top_k_by_rank
 from dflash2.training.decoding import left_padded as left_pad
-from helpers import EOS, sliding_qwen3, tiny_drafter, tiny_target
+from helpers import EOS, assert_follows, check_sampling_is_exact, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
 
 # ---------------------------------------------------------------------------------------------- naive references
@@ -265,18 +265,42 @@ def test_a_tree_drafts_more_per_round_than_the_path_on_a_tiny_vocabulary():
     assert taus[29] > 1.2 * taus[0], taus
 
 
-def test_sampling_with_a_tree_configured_runs_the_path_round():
-    """Sampling rounds verify a path: with the same seed, tree_nodes changes nothing."""
-    target = tiny_target("llama", seed=7, vocab=12, layers=3)
-    drafter = tiny_drafter(target, seed=8, block_size=4, selector_top_k=6, target_layer_ids=[0, 2]).attach(target)
-    ids = torch.randint(2, 12, (2, 6), generator=torch.Generator().manual_seed(0))
-    outputs = []
-    for nodes in (0, 10):
-        torch.manual_seed(123)
-        outputs.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
-                                       do_sample=True, temperature=0.9, max_new_tokens=20, eos_token_id=None,
-                                       tree_nodes=nodes))
-    assert torch.equal(outputs[0], outputs[1])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0),
+                                      pytest.param(dict(temperature=0.7, top_p=0.85), marks=pytest.mark.slow)])
+def test_sampling_over_a_tree_reproduces_the_target_distribution(settings):
+    """Sampled tree rounds (the target's sample after every node, the same walk): the 2nd and 3rd new tokens follow
+    the target's own processed distribution (chi-square, `check_sampling_is_exact`), drafts accepted along the way."""
+    check_sampling_is_exact(settings, draws=1200, cache_implementation="static", tree_nodes=8)
+
+
+def test_sampled_tree_rounds_keep_the_joint_distribution_of_a_block():
+    """The first three new tokens together (not only each alone) follow the target: a walk that reused one node's
+    sample for another, or drew a child's sample before its parent's, would bias the joint law."""
+    target, drafter = sampling_case(vocab=6)
+    ids = torch.tensor([[2, 3, 4]])
+    generation = dict(do_sample=True, top_k=0, temperature=1.0, max_new_tokens=3, eos_token_id=None)
+    processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
+    expected = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for sequence, weight in expected.items():
+            prefix = torch.tensor([ids[0].tolist() + list(sequence)])
+            with torch.no_grad():
+                probs = processors(prefix, target(prefix).logits[:, -1].float()).softmax(-1)[0]
+            for token, p in enumerate(probs.tolist()):
+                grown[sequence + (token,)] = weight * p
+        expected = grown
+    draws, counts, accepted = 3000, {}, 0
+    torch.manual_seed(1)
+    for _ in range(draws):
+        out = target.generate(ids, assistant_model=drafter, cache_implementation="static", tree_nodes=8, **generation)
+        key = tuple(out[0, 3:6].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += drafter.last_stats.accepted_per_position[0]
+    assert accepted > draws * 0.1, "few drafts accepted: the test would not test the walk"
+    keys = sorted(expected)
+    assert_follows(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
+                   torch.tensor([expected[k] * draws for k in keys], dtype=torch.float64))
 
 
 def test_tree_nodes_from_the_config_and_bad_values():

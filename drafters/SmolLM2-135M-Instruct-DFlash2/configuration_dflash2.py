@@ -173,8 +173,8 @@ class DFlash2Config(PretrainedConfig):
         self.input_embedding_scale = input_embedding_scale
         # batches larger than this decode without speculation (with a warning); None: the measured default per device
         self.max_speculative_batch_size = max_speculative_batch_size
-        # DFlash 2's own loop, greedy: verify a tree of this many nodes (root included) drafted by a beam of
-        # `tree_width` over the candidates, instead of one path (0); `generate(..., tree_nodes=N)` overrides it
+        # DFlash 2's own loop, greedy and sampled: verify a tree of this many nodes (root included) drafted by a beam
+        # of `tree_width` over the candidates, instead of one path (0); `generate(..., tree_nodes=N)` overrides it
         self.tree_nodes = tree_nodes
         self.tree_width = tree_width
         kwargs.setdefault("tie_word_embeddings", False)

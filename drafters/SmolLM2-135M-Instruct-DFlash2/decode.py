@@ -41,7 +41,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate, or
     with `generation_config.return_dict_in_generate` an output whose `past_key_values` (a `LoopCache`) continues the
     conversation: passed back with the whole conversation's ids, the next turn encodes only what follows.
-    `tree_nodes`: greedy rounds verify a tree of so many nodes (0: a path; None: `drafter.config.tree_nodes`)."""
+    `tree_nodes`: rounds verify a tree of so many nodes (0: a path; None: `drafter.config.tree_nodes`)."""
     batch, length = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
