@@ -52,6 +52,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.stats = DFlash2Stats(self.block_size)
         drafter.last_stats = self.stats
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Drafts per round (transformers >= 5.25 asks, to size what a recurrent cache keeps for its rollback)."""
+        return self.block_size - 1
+
     # ------------------------------------------------------------------------------------------ one round
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
