@@ -20,6 +20,7 @@ from dflash2.configuration_dflash2 import DFlash2Config
 from dflash2.generation import DFlash2Drafter
 from dflash2.generation.export import shipped_source_files
 from dflash2.generation.published import export_published, main, published_config_dict, serving_commands
+from dflash2.generation.round_core import assisted_loop_rolls_state_back
 from dflash2.modeling_dflash2 import DFlash2DraftModel
 from helpers import VOCAB, tiny_drafter, tiny_target
 
@@ -417,22 +418,33 @@ def test_the_assisted_loop_runs_a_target_the_own_loops_refuse_for_its_attention(
     assert torch.equal(generate_each_loop(target, drafter, "assisted"), plain)
 
 
-@pytest.mark.parametrize("loop", ["static", "batched", "assisted"])
-def test_linear_attention_targets_are_refused_in_every_loop(loop):
+@pytest.mark.parametrize("loop", ["static", "batched"])
+def test_linear_attention_targets_are_refused_by_the_own_loops(loop):
     target = tiny_linear_attention_target()
     drafter = tiny_drafter(target, target_layer_ids=[0, 1, 2]).attach(target)
-    message = ("not supported with stateful models" if loop == "assisted"
-               else r"\['linear_attention'\] layers, whose state cannot be rolled back")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"\['linear_attention'\] layers, whose state DFlash 2's own loops cannot"):
         generate_each_loop(target, drafter, loop)
 
 
-def test_linear_attention_refusal_does_not_point_to_a_loop_that_refuses_it_too():
+def test_the_assisted_loop_takes_a_linear_attention_target_exactly_or_refuses_it_as_the_refusal_says():
+    """transformers' assisted loop rolls recurrent state back from 5.25 (and the own loops' refusal sends the user
+    there); before, it refused such targets (and the refusal does not send the user to it)."""
     target = tiny_linear_attention_target()
     drafter = tiny_drafter(target, target_layer_ids=[0, 1, 2]).attach(target)
     with pytest.raises(ValueError) as refused:
         generate_each_loop(target, drafter, "static")
-    assert "assisted loop" not in str(refused.value)
+    if not assisted_loop_rolls_state_back():
+        assert "assisted loop" not in str(refused.value)
+        with pytest.raises(ValueError, match="not supported with stateful models"):
+            generate_each_loop(target, drafter, "assisted")
+        return
+    assert "transformers' assisted loop (this version rolls such state back) takes it" in str(refused.value)
+    for length in (3, 5, 8):  # every round rejects drafts here: each rolls the recurrent state back
+        ids = torch.randint(3, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assisted = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                   assistant_model=drafter)
+        assert torch.equal(assisted, plain)
 
 
 class BlindQwen3:

@@ -28,6 +28,7 @@ the path as the block, so the state after the round is laid out as after a path 
 from __future__ import annotations
 
 import torch
+import transformers
 
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
@@ -555,7 +556,19 @@ def check_target_fits(target) -> None:
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
     if unsupported:
-        raise ValueError(f"The target has {unsupported} layers, whose state cannot be rolled back to a verified "
-                         "position, so no speculative loop can verify drafts for it (transformers' assisted generation "
-                         "refuses such stateful models too). DFlash 2 needs attention-only targets: decode this one "
-                         "without assistant_model.")
+        if assisted_loop_rolls_state_back():
+            advice = ("transformers' assisted loop (this version rolls such state back) takes it: pass "
+                      "assistant_model at batch 1 without cache_implementation='static', or decode without it.")
+        else:
+            advice = ("this version of transformers' assisted generation refuses such stateful models too: decode "
+                      "this one without assistant_model.")
+        raise ValueError(f"The target has {unsupported} layers, whose state DFlash 2's own loops cannot roll back "
+                         f"to a verified position (they need attention-only targets); {advice}")
+
+
+def assisted_loop_rolls_state_back() -> bool:
+    """Whether transformers' assisted loop verifies drafts for targets with recurrent layers (linear attention,
+    Mamba): from 5.25 it records their states and rolls them back; before, it refused them."""
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 25)
