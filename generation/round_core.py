@@ -32,8 +32,8 @@ import transformers
 
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
-from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
-                       row_warped_probabilities, speculative_accept)
+from .sampling import (Sampling, cumulative_probabilities, draft_temperature, first_token, greedy_accept, is_any_of,
+                       padded_eos_ids, row_warped_probabilities, speculative_accept)
 from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
@@ -191,8 +191,8 @@ class RoundCore:
         self.draft_noise = torch.zeros(batch, block - 1, width, device=device)
         self.uniform = torch.zeros(batch, block - 1, device=device)
         self.bonus_noise = torch.zeros(batch, config.vocab_size, device=device)
-        # a sampled tree round: Gumbel noise for the target's sample after each node
-        self.node_noise = torch.zeros(batch, tree_nodes, config.vocab_size, device=device) if tree_nodes else None
+        # a sampled tree round: one uniform per node, for the target's sample after it (inverse CDF)
+        self.node_uniform = torch.zeros(batch, tree_nodes, device=device)
 
     # ------------------------------------------------------------------------------------------ masks
     def target_masks(self, query_columns: torch.Tensor):
@@ -323,7 +323,8 @@ class RoundCore:
 
     def node_tokens(self, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
         """The target's token after each node [b, N]: its argmax, or (`sampled`) a sample of its distribution warped
-        by the row's settings, by the Gumbel-max trick with the node's own noise (`draw_noise`).
+        by the row's settings: the first token whose cumulative probability passes the node's own uniform
+        (`draw_noise`; one number per node, where Gumbel noise over the vocabulary cost a CPU 6 ms a round).
 
         Sampling stays exact: a round emits the tokens of the nodes it walks through, each node's token a sample of
         the target's distribution after that node's root path, drawn with noise of its own, so each emitted token
@@ -333,7 +334,12 @@ class RoundCore:
         if not sampled:
             return logits.argmax(-1)
         probabilities = row_warped_probabilities(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
-        return (probabilities.log() + self.node_noise).argmax(-1)
+        cumulative = cumulative_probabilities(probabilities.log())  # [b, N, V], the last entry the total
+        # the first entry past u * total (so never a zero-probability token); should rounding put u * total at the
+        # total, the last token of nonzero probability
+        drawn = (cumulative <= self.node_uniform.unsqueeze(-1) * cumulative[..., -1:]).sum(-1)
+        vocab = torch.arange(probabilities.shape[-1], device=probabilities.device)
+        return torch.minimum(drawn, ((probabilities > 0) * vocab).amax(-1))
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
@@ -372,9 +378,9 @@ class RoundCore:
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
         """Fill the sampled round's random buffers in place: Gumbel noise for the walk and the bonus and uniforms for
-        the tests of a path round, Gumbel noise per node of a tree round."""
+        the tests of a path round, a uniform per node of a tree round."""
         if self.tree_nodes:
-            sample_gumbel(self.node_noise.shape, self.device, generator, out=self.node_noise)
+            self.node_uniform.uniform_(generator=generator)
             return
         for buffer in (self.draft_noise, self.bonus_noise):
             sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash2.generation.round_core import RoundCore
+from dflash2.generation.sampling import Sampling
 from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree, stable_top_k, top_k_by_rank
 from dflash2.training.decoding import left_padded as left_pad
 from helpers import EOS, assert_follows, check_sampling_is_exact, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
@@ -360,3 +361,21 @@ def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_index_
         assert torch.equal(new, expected)
     assert ops.names.count("index") == ops.names.count("index_put_") == len(buffers) == 12
     assert len([name for name in ops.names if name not in ("view", "expand", "unsqueeze", "slice")]) <= 2 * 12 + 16
+
+
+def test_node_samples_never_pick_a_token_of_zero_probability_at_the_uniforms_ends():
+    """Inverse-CDF sampling per node: a uniform of 0 takes the first token of nonzero probability, one just below 1
+    the last (even when rounding puts u * total at the total), never a token top-k or top-p removed."""
+    target = tiny_target("llama", seed=3, vocab=12, layers=2)
+    drafter = tiny_drafter(target, seed=4, block_size=4, selector_top_k=6, target_layer_ids=[0, 1]).attach(target)
+    core = RoundCore(target, drafter, 2, 64, tree_nodes=5)
+    core.set_sampling(Sampling(True, 1.0, 3, 1.0))  # top-k 3: nine tokens of each node get probability 0
+    logits = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(0))
+    allowed = logits.topk(3, dim=-1).indices
+    for u in (0.0, 0.5, 1.0 - 2 ** -24, 1.0):  # 1.0 itself stands for a rounded-up u * total
+        core.node_uniform.fill_(u)
+        tokens = core.node_tokens(logits, sampled=True)
+        assert (tokens.unsqueeze(-1) == allowed).any(-1).all(), (u, tokens, allowed)
+    core.node_uniform.fill_(0.0)
+    first = core.node_tokens(logits, sampled=True)
+    assert torch.equal(first, allowed.min(-1).values)
