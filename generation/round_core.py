@@ -33,7 +33,7 @@ import transformers
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import (Sampling, cumulative_probabilities, draft_temperature, first_token, greedy_accept, is_any_of,
-                       padded_eos_ids, row_warped_probabilities, speculative_accept)
+                       padded_eos_ids, row_warped_logits, row_warped_probabilities, speculative_accept)
 from .tree import DraftTree, accept_tree, draft_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
@@ -333,13 +333,13 @@ class RoundCore:
         holds its parent's sample."""
         if not sampled:
             return logits.argmax(-1)
-        probabilities = row_warped_probabilities(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
-        cumulative = cumulative_probabilities(probabilities.log())  # [b, N, V], the last entry the total
-        # the first entry past u * total (so never a zero-probability token); should rounding put u * total at the
-        # total, the last token of nonzero probability
+        warped = row_warped_logits(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
+        cumulative = cumulative_probabilities(warped)  # [b, N, V], the last entry the total
+        # the first entry past u * total (so never a token the warping removed); should rounding put u * total at the
+        # total, the last token it kept
         drawn = (cumulative <= self.node_uniform.unsqueeze(-1) * cumulative[..., -1:]).sum(-1)
-        vocab = torch.arange(probabilities.shape[-1], device=probabilities.device)
-        return torch.minimum(drawn, ((probabilities > 0) * vocab).amax(-1))
+        vocab = torch.arange(warped.shape[-1], device=warped.device)
+        return torch.minimum(drawn, (warped.isfinite() * vocab).amax(-1))
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own

@@ -73,7 +73,14 @@ def warped_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tens
 
 def row_warped_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                              top_p: torch.Tensor) -> torch.Tensor:
-    """`warped_probabilities` with each row's own setting, read from tensors: logits [b, ..., V]; temperature [b]
+    """softmax of `row_warped_logits`: `warped_probabilities` with each row's own setting."""
+    return row_warped_logits(logits, temperature, top_k, top_p).softmax(-1)
+
+
+def row_warped_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """The logits `warped_probabilities` takes the softmax of (fp32, -inf where top-k or top-p removed a token), with
+    each row's own setting, read from tensors: logits [b, ..., V]; temperature [b]
     (fp32), top_k [b] (long, 0: off), top_p [b] (fp64, 1.0: off). No value is read on the host, so a captured or
     compiled round serves every setting. One ascending sort serves both cuts: the top-k cut removes a prefix of it
     (the values below the k-th largest), and top-p's cumulative is taken over what is left, as transformers applies
@@ -90,7 +97,7 @@ def row_warped_probabilities(logits: torch.Tensor, temperature: torch.Tensor, to
     remove_sorted = remove_sorted | ((cumulative <= (1 - p).float()) & (p < 1))
     remove_sorted[..., -1:] = False  # keep at least one token
     remove = remove_sorted.scatter(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf")).softmax(-1)
+    return logits.masked_fill(remove, float("-inf"))
 
 
 def _cumulative_probabilities(sorted_logits: torch.Tensor) -> torch.Tensor:
