@@ -32,13 +32,14 @@
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
 #   bash scripts/h200_session.sh sweep-fused-0  # (and -1, -2) one GPU, no target: the sweep's fused cases, one pair
 #   bash scripts/h200_session.sh sweep-all  # one GPU, no target: sweep-graph and sweep-fused-0/1/2 side by side
+#   bash scripts/h200_session.sh verify-sweep  # one GPU: verify and sweep-all side by side
 #   bash scripts/h200_session.sh stage     # a staging call alone (carry .device/partN, assemble.sh, whl)
 #
 # Each step has its own time limit and records its exit status (a crash inside a CUDA graph prints no traceback).
 # Results: $OUT/<phase>.tar (the device returns at most 8 files).
 set -u
 phase="${1:?usage: h200_session.sh scale-a|scale-b|speed}"
-[ -e .device/assemble.sh ] && bash .device/assemble.sh
+[ -z "${SKIP_ASSEMBLE:-}" ] && [ -e .device/assemble.sh ] && bash .device/assemble.sh
 source scripts/h200_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 S=/tmp/session/$phase; rm -rf "$S"; mkdir -p "$S"
@@ -162,6 +163,13 @@ sweep-all)  # one GPU, no target: the graph sweep and the three pairs' fused swe
      step "sweep-fused-$pair" 560 -m pytest -q -m gpu tests/test_gpu_sweep.py -p no:cacheprovider -s) &
   done
   wait ;;
+verify-sweep)  # one GPU: the default target's fp32 test beside sweep-all (all correctness, no timing: they may share it)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  (step gpu-default-target 560 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging \
+     -k default_target) &
+  SKIP_ASSEMBLE=1 bash "$0" sweep-all > "$S/sweep-all.out" 2>&1 &
+  wait
+  tar xf "$OUT/sweep-all.tar" -C "$S" && rm -f "$OUT/sweep-all.tar" ;;
 tiny)  # one GPU, no target needed (a staging call)
   step gpu-tiny 240 -m pytest -q -m gpu tests/test_gpu.py -s -p no:cacheprovider -p no:logging -k "tiny or background"
   ;;
