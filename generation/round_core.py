@@ -386,6 +386,15 @@ class RoundCore:
             sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
         self.uniform.uniform_(generator=generator)
 
+    def warm_sampling_steps(self) -> None:
+        """Run once the eager steps a sampled request adds around its captured rounds (the first token's draw from the
+        warped prompt logits, the noise), on a private generator and into buffers every request overwrites. On CUDA a
+        kernel's first use in a process loads it; without this the first sampled call paid that (a fused H200 round's
+        first sampled call ran 1.18x its second), though its rounds were captured with the greedy ones."""
+        generator = torch.Generator(self.device).manual_seed(0)
+        first_token(self.prompt_logits, True, self.temperature, self.top_k, self.top_p, generator)
+        self.draw_noise(generator)
+
     # ------------------------------------------------------------------------------------------ prefill
     def set_sampling(self, sampling: Sampling | list[Sampling], eos_token_ids=()) -> None:
         """The next request's settings, written into the round's tensors (before `prefill` or `resume`): `sampling`

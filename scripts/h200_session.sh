@@ -27,6 +27,7 @@
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
 #   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
 #   bash scripts/h200_session.sh table     # one GPU: the README table (default loop, tree) against plain-graph
+#   bash scripts/h200_session.sh settings  # one GPU: a new sampling setting's first call (seeded), fused rounds
 #   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
 #   bash scripts/h200_session.sh tree-profile # one GPU, no target: the path round and the tree round, part by part
 #   bash scripts/h200_session.sh sweep-graph  # one GPU, no target: the exactness sweep through the graph rounds
@@ -136,6 +137,12 @@ table)  # one GPU: README's results table with the config's default (the tree), 
       --methods dflash2,plain-graph --sections "$sections" --num-prompts 80 --skip-humaneval 100 --skip-mtbench 0 \
       --out "$S/table-$task.json"
   done ;;
+settings)  # one GPU: the table's `settings` section alone (the fused greedy and sampled rounds, then each new sampling
+           # setting's first call against its second, seeded alike), one MT-Bench prompt
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  step settings 400 -m dflash2.benchmarks.speed --device cuda --compile --tasks mtbench --methods dflash2 \
+    --sections settings --num-prompts 1 --skip-mtbench 0 --out "$S/settings.json"
+  ;;
 round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
   step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
     --forwards forward16 --out "$S/round-ratio.json"

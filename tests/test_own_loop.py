@@ -346,6 +346,31 @@ def test_one_runner_serves_greedy_and_every_sampling_setting(stand_in_graphs):
     assert [name for name in captured if isinstance(name, str)] == ["round", "sampled_round"]  # nothing captured since
 
 
+def test_a_captured_runner_runs_the_sampled_eager_steps_once_without_touching_the_users_generator(stand_in_graphs):
+    """Building a captured runner (a greedy call) also runs the eager steps a sampled call adds around its rounds (the
+    first token's draw, the noise), so that on CUDA their kernels load then and not in the first sampled call; it
+    draws on a private generator: the global RNG is where it was, and a seeded sampled call decodes what it would
+    have decoded on a runner that skipped the warm-up."""
+    from dflash2.generation.round_core import RoundCore
+
+    target = tiny_target("llama", seed=11)
+    ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for warm in (True, False):
+        drafter = tiny_drafter(target, seed=12, block_size=4).attach(target)
+        with pytest.MonkeyPatch.context() as patch:
+            if not warm:
+                patch.setattr(RoundCore, "warm_sampling_steps", lambda self: None)
+            state = torch.get_rng_state()
+            static_call(target, drafter, ids, do_sample=False)
+            assert torch.equal(torch.get_rng_state(), state)  # the warm-up drew nothing from the user's generator
+            (runner,) = drafter.round_runners()
+            assert bool(runner.core.uniform.any()) == warm  # the noise buffers were filled (zeros until drawn)
+            torch.manual_seed(5)
+            outputs.append(static_call(target, drafter, ids, do_sample=True, temperature=0.8))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_a_new_eos_set_on_the_same_runner_stops_at_its_own_tokens():
     """Two calls on one runner with different EOS ids: each stops where plain greedy with its EOS stops."""
     target = tiny_target("qwen3", seed=16)

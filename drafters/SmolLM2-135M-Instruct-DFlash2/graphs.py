@@ -108,6 +108,8 @@ class RoundRunner:
         else:
             raise ValueError(f"unknown round mode {mode!r}")
         self._steps = dict(zip((False, True), steps))  # do_sample -> its round
+        if captured:
+            core.warm_sampling_steps()  # so that a first sampled call costs what its second does
 
     def __call__(self) -> None:
         self._steps[self.core.do_sample]()
