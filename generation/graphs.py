@@ -154,4 +154,7 @@ def capture_rounds(rounds) -> list:
     """Each round captured as a graph, all in one memory pool: rounds never run at once, and every one writes its
     results into the core's fixed buffers, so their temporaries may share memory."""
     pool = torch.cuda.graph_pool_handle()
-    return [CapturedGraph(fn, pool=pool) for fn in rounds]
+    graphs = [CapturedGraph(fn, pool=pool) for fn in rounds]
+    for graph in graphs:  # a graph's first launch uploads it to the device: here, rather than in a request's first round
+        graph()  # (it runs on the state the capture's warm-up ran on; a request's prefill writes the state anew)
+    return graphs
