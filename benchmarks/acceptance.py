@@ -7,7 +7,9 @@
         --drafter A --drafter B --out t0.json   # the category table of two drafters (then --temperature 1)
     python -m dflash2.benchmarks.acceptance --table t0.json t1.json   # one Markdown table of saved reports
 
-Runs the fixed-shape loop (same drafts, same τ and output as transformers' assisted loop, less overhead) and prints,
+Runs DFlash 2's own loop (`cache_implementation="static"`) with the drafter's rounds: a tree of the config's
+`tree_nodes` (the shipped drafter: 16), or what --tree-nodes asks for (0: one path, the drafts of transformers'
+assisted loop). Prints,
 per task, τ = completion tokens / target forwards (prefill included) over all its prompts, its spread over prompts,
 and τ per prompt category (`tasks.task_categories`: MT-Bench's eight, "code", "math word problems"). Greedy at
 --temperature 0 (the default); sampled above it (seeded by --seed, the same for every drafter). With several
@@ -46,6 +48,8 @@ def main(argv=None):
     parser.add_argument("--num-prompts", type=int, default=None, help="per task; default: every prompt of the task")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature above 0)")
     parser.add_argument("--out", default=None, help="write per-prompt results as JSON here")
+    parser.add_argument("--tree-nodes", type=int, default=None, help="verify a tree of so many nodes per round (0: "
+                        "one path); default: each drafter's config")
     parser.add_argument("--no-fusion", action="store_true", help="compile=False: no round is fused in the background "
                         "(the drafts and τ are the same; several measuring processes then share a GPU without "
                         "compiling children)")
@@ -87,9 +91,10 @@ def measure(args, tasks: list[str], skips: list[int]) -> dict:
     torch.manual_seed(args.seed)
     from tqdm.auto import tqdm
 
+    tree_nodes = drafter.config.tree_nodes if args.tree_nodes is None else args.tree_nodes
     report = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "top_p": args.top_p if args.temperature > 0 else None, "device": str(drafter.device),
-              "dtype": str(target.dtype), "tasks": {}}
+              "top_p": args.top_p if args.temperature > 0 else None, "tree_nodes": tree_nodes,
+              "device": str(drafter.device), "dtype": str(target.dtype), "tasks": {}}
     for task, skip in zip(tasks, skips):
         tokens = forwards = 0
         per_prompt = []
@@ -102,7 +107,7 @@ def measure(args, tasks: list[str], skips: list[int]) -> dict:
         for prompt in tqdm(prompts, desc=task, mininterval=10):
             ids = torch.tensor([prompt_ids(tokenizer, prompt, 512)], device=drafter.device)
             target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
-                            cache_implementation="static", max_new_tokens=args.max_new_tokens,
+                            cache_implementation="static", max_new_tokens=args.max_new_tokens, tree_nodes=tree_nodes,
                             **({"compile": False} if args.no_fusion else {}),
                             pad_token_id=tokenizer.eos_token_id, **sampling)
             stats = drafter.last_stats
@@ -138,7 +143,9 @@ def report_runs(report: dict) -> list[dict]:
 def category_table(runs: list[dict]) -> str:
     """Markdown: a row per prompt category, per task with several categories the mean of its categories' τ, and per
     task its τ over all prompts; a column per run (drafter and temperature)."""
-    columns = [f"{run['drafter']}, T {run['temperature']:g}" for run in runs]
+    columns = [f"{run['drafter']}, T {run['temperature']:g}" + (f", tree {run['tree_nodes']}" if run.get("tree_nodes")
+                                                                 else ", path" if "tree_nodes" in run else "")
+               for run in runs]
     rows: dict[str, list] = {}
     for column, run in enumerate(runs):
         for task, entry in run["tasks"].items():

@@ -121,6 +121,35 @@ def test_acceptance_tau_by_category_and_its_table():
     assert lines[0] == "| τ | d, T 0 | e, T 1 |"
     assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
     assert "| math word problems | 1.50 | 1.50 |" in lines and "| mtbench: all 3 prompts from 0 | 2.67 |  |" in lines
+    trees = [{**other, "tree_nodes": 16}, {**other, "tree_nodes": 0}]  # reports that record their rounds
+    assert category_table(trees).splitlines()[0] == "| τ | e, T 1, tree 16 | e, T 1, path |"
+
+
+def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
+    """--tree-nodes reaches generate and the report; without it each drafter's config decides."""
+    import argparse
+    import types
+
+    import torch
+
+    from dflash2.benchmarks import acceptance
+
+    seen = []
+    config = types.SimpleNamespace(tree_nodes=16)
+    stats = types.SimpleNamespace(completion_tokens=8, target_forwards=4, acceptance_length=2.0)
+    drafter = types.SimpleNamespace(config=config, device=torch.device("cpu"), last_stats=stats)
+    target = types.SimpleNamespace(dtype=torch.float32, generate=lambda ids, **kwargs: seen.append(kwargs["tree_nodes"]))
+    tokenizer = types.SimpleNamespace(eos_token_id=0)
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=False: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
+    monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
+    monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
+    for asked, expected in ((None, 16), (0, 0), (32, 32)):
+        seen.clear()
+        args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0, no_fusion=True,
+                                  tree_nodes=asked, prompt_file=None, num_prompts=None)
+        report = acceptance.measure(args, ["mtbench"], [0])
+        assert seen == [expected, expected] and report["tree_nodes"] == expected
 
 
 def test_speed_settings_change_runs_each_setting_twice_with_the_same_noise():
