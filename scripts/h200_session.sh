@@ -27,6 +27,7 @@
 #   bash scripts/h200_session.sh tree-mt   #   100-163 / all 80 MT-Bench first turns, the default (fused) loop
 #   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
 #   bash scripts/h200_session.sh table     # one GPU: the README table (default loop, tree) against plain-graph
+#   bash scripts/h200_session.sh acceptance  # one GPU: tau by category, T 0 and 1, trees of 16 and 32 nodes
 #   bash scripts/h200_session.sh settings  # one GPU: a new sampling setting's first call (seeded), fused rounds
 #   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
 #   bash scripts/h200_session.sh tree-profile # one GPU, no target: the path round and the tree round, part by part
@@ -142,6 +143,21 @@ settings)  # one GPU: the table's `settings` section alone (the fused greedy and
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   step settings 400 -m dflash2.benchmarks.speed --device cuda --compile --tasks mtbench --methods dflash2 \
     --sections settings --num-prompts 1 --skip-mtbench 0 --out "$S/settings.json"
+  ;;
+acceptance)  # one GPU: issue #30's table, tau by category (all 80 MT-Bench first turns, HumanEval 100-163, the math set),
+             # greedy and T = 1, trees of $TREE_SET nodes (default 16 and 32; 0 is the path): a process per pair side by
+             # side, each in the default loop (its graph round until its background build is in, then the fused one:
+             # the same drafts and tau), then one Markdown table of their reports
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  for temperature in 0 1; do
+    for nodes in ${TREE_SET:-16 32}; do
+      step "acceptance-t$temperature-n$nodes" 560 -m dflash2.benchmarks.acceptance --device cuda \
+        --task mtbench,humaneval,math --skip 0,100,0 --max-new-tokens 256 --temperature "$temperature" \
+        --tree-nodes "$nodes" --out "$S/acceptance-t$temperature-n$nodes.json" &
+    done
+  done
+  wait
+  python3 -m dflash2.benchmarks.acceptance --table "$S"/acceptance-t*.json | tee "$S/acceptance-table.md"
   ;;
 round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
   step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
