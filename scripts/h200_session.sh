@@ -146,8 +146,8 @@ settings)  # one GPU: the table's `settings` section alone (the fused greedy and
   ;;
 acceptance)  # one GPU: issue #30's table, tau by category (all 80 MT-Bench first turns, HumanEval 100-163, the math set),
              # greedy and T = 1, trees of $TREE_SET nodes (default 16 and 32; 0 is the path): a process per pair side by
-             # side, each in the default loop (its graph round until its background build is in, then the fused one:
-             # the same drafts and tau), then one Markdown table of their reports
+             # side, each in the default loop as a user meets it (its graph round until its background build is in,
+             # then the fused one), then one Markdown table of their reports
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   for temperature in 0 1; do
     for nodes in ${TREE_SET:-16 32}; do
