@@ -389,8 +389,9 @@ class RoundCore:
     def warm_sampling_steps(self) -> None:
         """Run once the eager steps a sampled request adds around its captured rounds (the first token's draw from the
         warped prompt logits, the noise), on a private generator and into buffers every request overwrites. On CUDA a
-        kernel's first use in a process loads it; without this the first sampled call paid that (a fused H200 round's
-        first sampled call ran 1.18x its second), though its rounds were captured with the greedy ones."""
+        kernel's first use in a process loads it, which otherwise fell in the first sampled call (the first sampled
+        call of a fused H200 process ran 1.18x its second: these loads and the sampled graph's first launch, which
+        `graphs.capture_rounds` now makes too)."""
         generator = torch.Generator(self.device).manual_seed(0)
         first_token(self.prompt_logits, True, self.temperature, self.top_k, self.top_p, generator)
         self.draw_noise(generator)
