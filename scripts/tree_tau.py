@@ -20,15 +20,14 @@ target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 configs = [int(x) for x in sys.argv[5].split(",")]
+temperature = float(os.environ.get("TEMPERATURE", 0))
+sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
 for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [drafter.config.tree_width]):
     drafter.config.tree_width = w
     drafter.release()  # runners are built with the width they found: build them again with this one
     for nodes in configs:
         tokens = forwards = 0
         t0 = time.time()
-        temperature = float(os.environ.get("TEMPERATURE", 0))
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(
-            do_sample=False)
         for index, p in enumerate(task_prompts(task, n, skip=skip)):
             ids = torch.tensor([chat_prompt_ids(tok, p)])
             torch.manual_seed(index)
