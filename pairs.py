@@ -39,6 +39,13 @@ def probability(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    value = _number(text, float, "a number")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
 def block_size(text: str) -> int:
     value = _number(text, int, "a whole number")
     if value < 2:

@@ -22,7 +22,7 @@
 # DISTILL_CACHE (auto: training/decoding.py's in-place loop for Llama-family targets; dynamic: transformers' generate);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
-# UNIQUE (1: --unique-anchors), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
+# UNIQUE (1: --unique-anchors), SOFT (0: --soft-labels, the target's distribution's share in the labels), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
@@ -128,7 +128,7 @@ train)
     --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
     --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps "${STEPS:-1000000}" \
     "${budget[@]}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
-    --checkpoint-every 1000 \
+    --checkpoint-every 1000 --soft-labels "${SOFT:-0}" \
     2>&1 | quiet | tee -a "$OUT/train-$name.log"
   status=${PIPESTATUS[0]}
   echo "train $version ($run): exit $status after ${SECONDS}s" | tee -a "$OUT/train-$name.log"

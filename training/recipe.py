@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dflash2.pairs import positive_int, share
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from dflash2.training.selfdistill import add_distill_arguments
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gamma", type=float, default=None,
                         help="position decay of the loss weights exp(-(k-1)/gamma) (default: 4 at block size 8, "
                              "7 at 16, interpolated)")
+    parser.add_argument("--soft-labels", type=share, default=0.0, metavar="W",
+                        help="label each draft row with (1 - W) x the answer's token + W x the target's own next-token "
+                             "distribution there (its top --soft-labels-top-k tokens, renormalised); the selector "
+                             "likewise over its candidates. 0 (default): the answer's tokens alone")
+    parser.add_argument("--soft-labels-top-k", type=positive_int, default=32,
+                        help="how many of the target's most likely tokens make its distribution in --soft-labels")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out tau estimates")
@@ -175,7 +183,8 @@ def run(args) -> Path:
                                batch_size=args.batch_size, max_length=args.max_length, learning_rate=args.lr,
                                max_steps=args.steps, epochs=args.epochs, time_budget_s=args.time_budget,
                                job_time_limit_s=args.job_time_limit, job_max_steps=args.job_steps, gamma=args.gamma,
-                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed)
+                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                               soft_label_weight=args.soft_labels, soft_label_top_k=args.soft_labels_top_k)
     started = time.time()
     history = train(drafter, target, sequences, train_config, out, held_out=held_out, resume=not args.no_resume,
                     log=log)

@@ -4,7 +4,9 @@ Each training sequence is a prompt answered by the target itself (self-distillat
 computes the hidden states of the tapped layers, many random anchors are drawn among the response tokens, and all
 their blocks `[anchor, MASK x (B-1)]` are denoised in one drafter forward under a block attention mask (a block sees
 the context before its anchor and itself, never another block). Loss: position-weighted cross-entropy of the draft
-rows plus the selector's K-way cross-entropy given the true predecessor. The target's embeddings and head stay frozen.
+rows plus the selector's K-way cross-entropy given the true predecessor; with `soft_label_weight` the labels mix in
+the target's own next-token distribution (its top-k, from the same target forward). The target's embeddings and head
+stay frozen.
 
 Several processes (`torchrun --nproc_per_node N`, one per GPU; see `training/distributed.py`): every process holds the
 frozen target and the same drafter; the drafter's loss module is wrapped in DistributedDataParallel, so gradients are
@@ -56,6 +58,8 @@ class TrainConfig:
     gamma: float | None = None  # position decay; None: 4 for B=8, 5 for B=10, 7 for B=16 (interpolated)
     selector_weight: float = 0.5
     selector_ramp_fraction: float = 0.2
+    soft_label_weight: float = 0.0  # share of the target's own distribution in the labels (0: the answer's tokens)
+    soft_label_top_k: int = 32  # the target's distribution kept as its top-k tokens, renormalised
     eval_every: int = 200
     memory_probe: bool | None = None  # one forward/backward on the longest batch first (None: on CUDA only)
     checkpoint_every: int = 500
@@ -141,9 +145,14 @@ def denoise_blocks(drafter: DFlash2DraftModel, features, token_ids, anchors):
     return hidden.unflatten(1, (-1, config.block_size)), block_ids
 
 
-def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float) -> dict:
+def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response_mask, anchors, gamma: float,
+                       soft_labels: SoftLabels | None = None, soft_weight: float = 0.0) -> dict:
     """The unnormalised pieces of the loss: weighted sums and their weights (token and selector), and counts for the
-    statistics (detached). Sums, not means, so that several processes can normalise by the whole global batch."""
+    statistics (detached). Sums, not means, so that several processes can normalise by the whole global batch.
+
+    `soft_labels` (the target's top-k distribution at every position, `target_soft_labels`) with `soft_weight` w:
+    each draft row's label is (1 - w) x the answer's token + w x the target's distribution after the true prefix, for
+    the draft rows and for the selector (over its K candidates, the target's probabilities of those candidates)."""
     config = drafter.config
     block_size = config.block_size
     response_targets = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
@@ -155,7 +164,13 @@ def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response
     valid = draft_targets >= 0
     weights = position_weights(block_size, gamma, hidden.device)[1:].expand_as(draft_targets) * valid
     unary = drafter.unary_logits(draft_hidden).float()  # [b, N, B-1, V]
-    token_loss = F.cross_entropy(unary.flatten(0, 2), draft_targets.flatten().clamp(min=0), reduction="none")
+    soft = None if soft_labels is None or soft_weight == 0 else soft_labels.for_blocks(anchors, block_size)
+    if soft is None:
+        token_loss = F.cross_entropy(unary.flatten(0, 2), draft_targets.flatten().clamp(min=0), reduction="none")
+    else:  # cross-entropy against the mixed label: logsumexp(z) - (1 - w) z[token] - w sum_i p_i z[id_i]
+        hard_logit = unary.gather(-1, draft_targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        soft_logit = (soft.probs * unary.gather(-1, soft.ids)).sum(-1)
+        token_loss = (unary.logsumexp(-1) - (1 - soft_weight) * hard_logit - soft_weight * soft_logit).flatten()
     top1 = (unary.argmax(-1) == draft_targets) & valid
     terms = {"token_sum": (token_loss * weights.flatten()).sum(), "token_weight": weights.sum(),
              "top1_correct": top1.sum((0, 1)).float(), "top1_valid": valid.sum((0, 1)).float(),
@@ -169,10 +184,18 @@ def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response
             draft_hidden), selector.predecessor_codebook, selector.successor_codebook).squeeze(-2)  # [b, N, B-1, K]
         hit = candidates == draft_targets.unsqueeze(-1)
         in_top_k = hit.any(-1) & valid
-        selector_loss = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
-        selector_weights = weights * in_top_k
-        terms["selector_sum"] = (selector_loss * selector_weights.flatten()).sum()
-        terms["selector_weight"] = selector_weights.sum()
+        selector_loss = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(),
+                                        reduction="none").view_as(in_top_k) * in_top_k  # [b, N, B-1]
+        selector_share = in_top_k.float()  # which rows the selector's loss covers, and how much
+        if soft is not None:  # the target's probabilities of the K candidates, renormalised over them
+            mass = ((candidates.unsqueeze(-1) == soft.ids.unsqueeze(-2)) * soft.probs.unsqueeze(-2)).sum(-1)
+            has_mass = (mass.sum(-1) > 0) & valid
+            candidate_probs = mass / mass.sum(-1, keepdim=True).clamp(min=1e-12)
+            soft_selector = -(candidate_probs * scores.float().log_softmax(-1)).sum(-1) * has_mass
+            selector_loss = (1 - soft_weight) * selector_loss + soft_weight * soft_selector
+            selector_share = (1 - soft_weight) * selector_share + soft_weight * has_mass
+        terms["selector_sum"] = (selector_loss * weights).sum()
+        terms["selector_weight"] = (selector_share * weights).sum()
         terms["in_top_k"] = in_top_k.sum().float()
     return terms
 
@@ -207,8 +230,10 @@ class DrafterObjective(nn.Module):
         self.drafter = drafter
         self.world_size = world_size
 
-    def forward(self, features, token_ids, response_mask, anchors, gamma: float, selector_weight: float):
-        terms = drafter_loss_terms(self.drafter, features, token_ids, response_mask, anchors, gamma)
+    def forward(self, features, token_ids, response_mask, anchors, gamma: float, selector_weight: float,
+                soft_labels: SoftLabels | None = None, soft_weight: float = 0.0):
+        terms = drafter_loss_terms(self.drafter, features, token_ids, response_mask, anchors, gamma, soft_labels,
+                                   soft_weight)
         has_selector = "selector_sum" in terms
         normalisers = torch.stack([terms["token_weight"], terms["selector_weight"] if has_selector else
                                    terms["token_weight"]]).detach().float()
@@ -293,6 +318,35 @@ def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]
     with torch.no_grad():
         hidden_states = target(input_ids=token_ids, output_hidden_states=True).hidden_states
     return tap_target_features(hidden_states, layer_ids)
+
+
+@dataclass
+class SoftLabels:
+    """The target's distribution of the next token after every position, kept as its top-k: probs [b, T, k]
+    (renormalised to sum to one) and token ids [b, T, k]. Row t is the distribution of token t + 1."""
+    probs: torch.Tensor
+    ids: torch.Tensor
+
+    def for_blocks(self, anchors: torch.Tensor, block_size: int) -> "SoftLabels":
+        """The labels of every draft row of the blocks at `anchors` [b, N]: draft row j (1 .. B-1) of a block predicts
+        the token at anchor + j, so it takes row anchor + j - 1. Returns [b, N, B-1, k] each (rows past the end repeat
+        the last one; the loss gives them no weight)."""
+        rows = anchors.unsqueeze(-1) + torch.arange(block_size - 1, device=anchors.device)  # [b, N, B-1]
+        rows = rows.clamp(0, self.probs.shape[1] - 1).flatten(1).unsqueeze(-1)  # [b, N*(B-1), 1]
+
+        def pick(x):  # [b, T, k] -> [b, N, B-1, k]
+            return x.gather(1, rows.expand(-1, -1, x.shape[-1])).view(*anchors.shape, block_size - 1, x.shape[-1])
+
+        return SoftLabels(pick(self.probs), pick(self.ids))
+
+
+def target_features_and_labels(target, token_ids: torch.Tensor, layer_ids: list[int], top_k: int):
+    """One target forward: the tapped features (as `target_hidden_features`) and the soft labels (`SoftLabels`) of the
+    target's top-k next-token distribution at temperature 1."""
+    with torch.no_grad():
+        out = target(input_ids=token_ids, output_hidden_states=True)
+        probs, ids = out.logits.float().softmax(-1).topk(top_k, dim=-1)
+    return tap_target_features(out.hidden_states, layer_ids), SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -523,9 +577,15 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                                  unique=train_config.unique_anchors)
         token_ids, response_mask = token_ids[local_rows].to(device), response_mask[local_rows].to(device)
         anchors = anchors[local_rows].to(device)
-        features = target_hidden_features(target, token_ids, layer_ids)
+        soft_labels = None
+        if train_config.soft_label_weight > 0:
+            features, soft_labels = target_features_and_labels(target, token_ids, layer_ids,
+                                                               train_config.soft_label_top_k)
+        else:
+            features = target_hidden_features(target, token_ids, layer_ids)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
-            loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight)
+            loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight, soft_labels,
+                                train_config.soft_label_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         return terms
