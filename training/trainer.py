@@ -270,6 +270,13 @@ def greedy_walk(accepted: dict[int, int], first: int, end: int) -> tuple[int, in
     return end - first, forwards
 
 
+# The held-out estimate drafts at every response position at once: a sequence of 768 tokens is 768 blocks, whose
+# drafter forward and vocabulary-wide logits (15 x 49,152 per block for the default target) are large. On a CPU
+# (off CUDA) it takes one sequence per forward and 256 blocks' logits at a time, so that it fits in a few GiB.
+HELD_OUT_SEQUENCES_PER_BATCH = {False: 1, True: 8}  # keyed by "on CUDA"
+HELD_OUT_BLOCKS_PER_CHUNK = {False: 256, True: 4096}
+
+
 @torch.no_grad()
 def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
     """The drafter's greedy acceptance on held-out answers, drafted at every response position in one teacher-forced
@@ -292,8 +299,9 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
         anchor_ids = block_ids.view(-1, block)[:, 0]
-        drafts = torch.cat([drafter.propose(anchor_ids[i: i + 4096], hidden[i: i + 4096].to(drafter.dtype)).tokens
-                            for i in range(0, len(anchor_ids), 4096)])  # vocabulary-wide logits 4096 blocks at a time
+        chunk = HELD_OUT_BLOCKS_PER_CHUNK[device.type == "cuda"]  # vocabulary-wide logits so many blocks at a time
+        drafts = torch.cat([drafter.propose(anchor_ids[i: i + chunk], hidden[i: i + chunk].to(drafter.dtype)).tokens
+                            for i in range(0, len(anchor_ids), chunk)])
         truth = targets.flatten(0, 1)[:, 1:]
         correct = (drafts == truth) & (truth >= 0)  # past the answer's end nothing is accepted
         accepted = torch.cumprod(correct.long(), dim=-1).sum(-1).view(anchors.shape).cpu()
@@ -546,8 +554,9 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     gamma = train_config.gamma or default_gamma(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)
     pad_id = drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0
-    held_out_batches = [collate(held_out[i: i + 8], train_config.max_length, pad_id)
-                        for i in range(0, len(held_out or []), 8)] if main else []
+    per_batch = HELD_OUT_SEQUENCES_PER_BATCH[device.type == "cuda"]
+    held_out_batches = [collate(held_out[i: i + per_batch], train_config.max_length, pad_id)
+                        for i in range(0, len(held_out or []), per_batch)] if main else []
     local_rows = slice(rank * train_config.batch_size, (rank + 1) * train_config.batch_size)
     history = []
     bar = None
