@@ -207,14 +207,14 @@ def test_a_time_budget_in_two_jobs_follows_the_schedule_of_one_job(tmp_path, mon
     """--time-budget 2.5 in one job == two jobs of --job-time-limit 1.25 each: the second job continues the time
     consumed (the learning rate and the selector ramp follow the consumed time), 20 steps either way."""
     clock = _Clock()
-    features = trainer.target_hidden_features
+    forward = trainer.target_features_and_labels
 
     def ticking(*args, **kwargs):
         clock.now += 0.125
-        return features(*args, **kwargs)
+        return forward(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "time", types.SimpleNamespace(time=clock.time))
-    monkeypatch.setattr(trainer, "target_hidden_features", ticking)
+    monkeypatch.setattr(trainer, "target_features_and_labels", ticking)
     target = _frozen(tiny_target("qwen3", seed=12))
     data = self_distilled(target, 10, length=16)
     config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=32, max_steps=10 ** 6, time_budget_s=2.5,

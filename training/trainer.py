@@ -150,9 +150,10 @@ def drafter_loss_terms(drafter: DFlash2DraftModel, features, token_ids, response
     """The unnormalised pieces of the loss: weighted sums and their weights (token and selector), and counts for the
     statistics (detached). Sums, not means, so that several processes can normalise by the whole global batch.
 
-    `soft_labels` (the target's top-k distribution at every position, `target_soft_labels`) with `soft_weight` w:
-    each draft row's label is (1 - w) x the answer's token + w x the target's distribution after the true prefix, for
-    the draft rows and for the selector (over its K candidates, the target's probabilities of those candidates)."""
+    `soft_labels` (the target's top-k distribution at every position, from `target_features_and_labels`) with
+    `soft_weight` w: each draft row's label is (1 - w) x the answer's token + w x the target's distribution after the
+    true prefix, for the draft rows and for the selector (over its K candidates, the target's probabilities of
+    those candidates)."""
     config = drafter.config
     block_size = config.block_size
     response_targets = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
@@ -270,11 +271,12 @@ def greedy_walk(accepted: dict[int, int], first: int, end: int) -> tuple[int, in
     return end - first, forwards
 
 
-# The held-out estimate drafts at every response position at once: a sequence of 768 tokens is 768 blocks, whose
-# drafter forward and vocabulary-wide logits (15 x 49,152 per block for the default target) are large. On a CPU
-# (off CUDA) it takes one sequence per forward and 256 blocks' logits at a time, so that it fits in a few GiB.
-HELD_OUT_SEQUENCES_PER_BATCH = {False: 1, True: 8}  # keyed by "on CUDA"
-HELD_OUT_BLOCKS_PER_CHUNK = {False: 256, True: 4096}
+def held_out_chunks(device: torch.device) -> tuple[int, int]:
+    """(sequences per drafter forward, blocks per chunk of vocabulary-wide logits) for the held-out estimate, which
+    drafts at every response position at once: a 768-token answer is 768 blocks, whose drafter forward and logits
+    (15 x 49,152 per block for the default target) are large. Off CUDA one sequence and 256 blocks at a time keep it
+    within a few GiB."""
+    return (8, 4096) if device.type == "cuda" else (1, 256)
 
 
 @torch.no_grad()
@@ -299,7 +301,7 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
         anchor_ids = block_ids.view(-1, block)[:, 0]
-        chunk = HELD_OUT_BLOCKS_PER_CHUNK[device.type == "cuda"]  # vocabulary-wide logits so many blocks at a time
+        chunk = held_out_chunks(device)[1]
         drafts = torch.cat([drafter.propose(anchor_ids[i: i + chunk], hidden[i: i + chunk].to(drafter.dtype)).tokens
                             for i in range(0, len(anchor_ids), chunk)])
         truth = targets.flatten(0, 1)[:, 1:]
@@ -323,9 +325,7 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
 
 
 def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        hidden_states = target(input_ids=token_ids, output_hidden_states=True).hidden_states
-    return tap_target_features(hidden_states, layer_ids)
+    return target_features_and_labels(target, token_ids, layer_ids)[0]
 
 
 @dataclass
@@ -348,13 +348,16 @@ class SoftLabels:
         return SoftLabels(pick(self.probs), pick(self.ids))
 
 
-def target_features_and_labels(target, token_ids: torch.Tensor, layer_ids: list[int], top_k: int):
-    """One target forward: the tapped features (as `target_hidden_features`) and the soft labels (`SoftLabels`) of the
-    target's top-k next-token distribution at temperature 1."""
+def target_features_and_labels(target, token_ids: torch.Tensor, layer_ids: list[int], top_k: int = 0):
+    """One target forward: the tapped features and, with `top_k`, the soft labels (`SoftLabels`) of the target's top-k
+    next-token distribution at temperature 1 (None without)."""
     with torch.no_grad():
         out = target(input_ids=token_ids, output_hidden_states=True)
-        probs, ids = out.logits.float().softmax(-1).topk(top_k, dim=-1)
-    return tap_target_features(out.hidden_states, layer_ids), SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
+        labels = None
+        if top_k:
+            probs, ids = out.logits.float().softmax(-1).topk(top_k, dim=-1)
+            labels = SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
+    return tap_target_features(out.hidden_states, layer_ids), labels
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -554,7 +557,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     gamma = train_config.gamma or default_gamma(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)
     pad_id = drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0
-    per_batch = HELD_OUT_SEQUENCES_PER_BATCH[device.type == "cuda"]
+    per_batch = held_out_chunks(device)[0]
     held_out_batches = [collate(held_out[i: i + per_batch], train_config.max_length, pad_id)
                         for i in range(0, len(held_out or []), per_batch)] if main else []
     local_rows = slice(rank * train_config.batch_size, (rank + 1) * train_config.batch_size)
@@ -586,12 +589,8 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                                  unique=train_config.unique_anchors)
         token_ids, response_mask = token_ids[local_rows].to(device), response_mask[local_rows].to(device)
         anchors = anchors[local_rows].to(device)
-        soft_labels = None
-        if train_config.soft_label_weight > 0:
-            features, soft_labels = target_features_and_labels(target, token_ids, layer_ids,
-                                                               train_config.soft_label_top_k)
-        else:
-            features = target_hidden_features(target, token_ids, layer_ids)
+        features, soft_labels = target_features_and_labels(
+            target, token_ids, layer_ids, train_config.soft_label_top_k if train_config.soft_label_weight > 0 else 0)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train_config.bf16 and device.type == "cuda"):
             loss, terms = model(features, token_ids, response_mask, anchors, gamma, selector_weight, soft_labels,
                                 train_config.soft_label_weight)
