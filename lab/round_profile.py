@@ -138,7 +138,7 @@ def tree_round_parts(core) -> dict:
         candidates, pairs = drafter.candidate_scores(core.anchor, hidden)
         tree = draft_tree(core.anchor, candidates, pairs, core.tree_nodes, core.tree_width)
         logits, features = core.verify_tree(tree)
-        target_tokens = core.node_tokens(logits, sampled=False)
+        target_tokens = logits.argmax(-1)
         accepted, next_token, path = accept_tree(tree, target_tokens, core.block_size)
         path_features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
         block = tree.tokens.gather(1, path)

@@ -61,7 +61,7 @@ def main(sizes):
         if nodes:
             parts["draft_tree"], tree = ops(lambda: core.draft_tree(hidden))
             parts["verify_tree"], (logits, _) = ops(lambda: core.verify_tree(tree))
-            target_tokens = core.node_tokens(logits, sampled=False)
+            target_tokens = logits.argmax(-1)
             parts["accept_tree"], (_, _, path) = ops(lambda: accept_tree(tree, target_tokens, core.block_size))
             parts["keep_path"], _ = ops(lambda: core.keep_path(path))
         else:

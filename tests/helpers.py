@@ -117,12 +117,15 @@ def sampling_case(vocab: int = 12):
     return target, drafter
 
 
-def check_sampling_is_exact(settings, draws, **generate_kwargs):
-    """Speculative samples of the 2nd and 3rd new tokens follow the target's own processed distribution."""
+def check_sampling_is_exact(settings, draws, device="cpu", **generate_kwargs):
+    """Speculative samples of the 2nd and 3rd new tokens follow the target's own processed distribution (the pair run
+    on `device`, the exact distribution computed on the CPU first)."""
     target, drafter = sampling_case()
     ids = torch.tensor([[5, 6, 7]])
     generation = dict(do_sample=True, top_k=0, max_new_tokens=3, eos_token_id=None, **settings)
     processors = target._get_logits_processor(target.generation_config.__class__(**generation), 3)
+    expected = [exact_distribution_of_step(target, ids, step, processors) for step in (1, 2)]
+    target, drafter, ids = target.to(device), drafter.to(device).attach(target), ids.to(device)
     torch.manual_seed(0)
     counts = torch.zeros(2, target.config.vocab_size, dtype=torch.float64)
     accepted = 0
@@ -132,8 +135,8 @@ def check_sampling_is_exact(settings, draws, **generate_kwargs):
             counts[row, out[0, 3 + step]] += 1
         accepted += drafter.last_stats.accepted_per_position[0]
     assert accepted > draws * 0.05, "no draft was ever accepted: the test would not test acceptance"
-    for row, step in enumerate((1, 2)):
-        assert_follows(counts[row], exact_distribution_of_step(target, ids, step, processors) * draws)
+    for row in range(2):
+        assert_follows(counts[row], expected[row] * draws)
 
 
 def background_equals_plain(target, drafter, ids, max_new_tokens, **settings):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
+from helpers import VOCAB, background_equals_plain, check_sampling_is_exact, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.gpu
 SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
@@ -55,6 +55,14 @@ def test_background_fusion_switches_to_the_captured_package(tmp_path, monkeypatc
     runner = both(prompts[2])
     assert runner.fusion.process is None and runner.kind == "graph (fused ahead of time)"
     both(prompts[3])
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graph", "fused-graph"])
+def test_sampled_tree_rounds_on_the_gpu_reproduce_the_target_distribution(compile):
+    """The sampled tree round (children sampled from the drafter, speculative sampling at every node) captured on the
+    GPU, its kernels eager or fused: the 2nd and 3rd new tokens follow the target's distribution (chi-square)."""
+    check_sampling_is_exact(dict(temperature=1.0), draws=1200, device="cuda", cache_implementation="static",
+                            tree_nodes=8, compile=compile)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ import torch
 
 from dflash2.generation.round_core import RoundCore
 from dflash2.generation.sampling import Sampling
-from dflash2.generation.tree import DEPTH_TIE_BREAK, accept_tree, draft_tree, stable_top_k, top_k_by_rank
+from dflash2.generation.tree import (DEPTH_TIE_BREAK, SAMPLED_CHILD_ACCEPTANCE, SampledTreeShape, accept_tree, draft_tree,
+                                     sample_by_inverse_cdf, sample_tree, speculative_accept_tree, stable_top_k,
+                                     top_k_by_rank)
 from dflash2.training.decoding import left_padded as left_pad
 from helpers import EOS, assert_follows, check_sampling_is_exact, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
@@ -363,19 +365,180 @@ def test_keeping_the_path_moves_it_in_every_layer_with_one_gather_and_one_index_
     assert len([name for name in ops.names if name not in ("view", "expand", "unsqueeze", "slice")]) <= 2 * 12 + 16
 
 
-def test_node_samples_never_pick_a_token_of_zero_probability_at_the_uniforms_ends():
-    """Inverse-CDF sampling per node: a uniform of 0 takes the first token of nonzero probability, one just below 1
-    the last (even when rounding puts u * total at the total), never a token top-k or top-p removed."""
-    target = tiny_target("llama", seed=3, vocab=12, layers=2)
-    drafter = tiny_drafter(target, seed=4, block_size=4, selector_top_k=6, target_layer_ids=[0, 1]).attach(target)
-    core = RoundCore(target, drafter, 2, 64, tree_nodes=5)
-    core.set_sampling(Sampling(True, 1.0, 3, 1.0))  # top-k 3: nine tokens of each node get probability 0
+def test_the_last_sample_never_picks_a_token_of_zero_probability_at_the_uniforms_ends():
+    """Inverse-CDF sampling (the token that ends a sampled tree round): a uniform of 0 takes the first token of nonzero
+    probability, one just below 1 the last (even when rounding puts u * total at the total), never a token that
+    top-k or top-p removed (-inf)."""
     logits = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(0))
     allowed = logits.topk(3, dim=-1).indices
+    warped = torch.full_like(logits, float("-inf")).scatter(-1, allowed, logits.gather(-1, allowed))
     for u in (0.0, 0.5, 1.0 - 2 ** -24, 1.0):  # 1.0 itself stands for a rounded-up u * total
-        core.node_uniform.fill_(u)
-        tokens = core.node_tokens(logits, sampled=True)
+        tokens = sample_by_inverse_cdf(warped, torch.full((2, 5), u))
         assert (tokens.unsqueeze(-1) == allowed).any(-1).all(), (u, tokens, allowed)
-    core.node_uniform.fill_(0.0)
-    first = core.node_tokens(logits, sampled=True)
-    assert torch.equal(first, allowed.min(-1).values)
+    assert torch.equal(sample_by_inverse_cdf(warped, torch.zeros(2, 5)), allowed.min(-1).values)
+    assert torch.equal(sample_by_inverse_cdf(warped, torch.ones(2, 5)), allowed.max(-1).values)
+
+
+# ---------------------------------------------------------------------------------------------- sampled trees
+@pytest.mark.parametrize("nodes, rows, k", [(2, 1, 3), (8, 3, 6), (32, 15, 16), (64, 15, 16), (13, 2, 3), (17, 1, 16)])
+def test_a_sampled_tree_shape_is_grown_best_first_parents_first(nodes, rows, k):
+    shape = SampledTreeShape.grow(nodes, rows, k)
+    parent, rank, depth = shape.parent.tolist(), shape.rank.tolist(), shape.depth.tolist()
+    listed = SAMPLED_CHILD_ACCEPTANCE
+    acceptance = list(listed) + [listed[-1] / 2 ** (r + 1) for r in range(max(0, k - len(listed)))]
+    assert len(parent) == nodes and parent[0] == 0 and depth[0] == 0
+    value = [1.0]
+    for n in range(1, nodes):
+        assert parent[n] < n and depth[n] == depth[parent[n]] + 1 <= rows
+        siblings = [m for m in range(1, n) if parent[m] == parent[n]]
+        assert rank[n] == len(siblings) < k  # ranks 0, 1, 2 ... in node order
+        value.append(value[parent[n]] * acceptance[rank[n]])
+        assert shape.children[parent[n], rank[n]] == n
+    assert (shape.children >= 0).sum() == nodes - 1
+    # best-first: no node left out would have been worth more than the least one kept
+    least = min(value)
+    for n in range(nodes):
+        count = sum(1 for m in range(1, nodes) if parent[m] == n)
+        if depth[n] < rows and count < k:
+            assert value[n] * acceptance[count] <= least + 1e-12
+    with pytest.raises(ValueError, match="fewer than"):
+        SampledTreeShape.grow(5, 2, 1)  # one candidate per row: a chain of 3 nodes at most
+
+
+def naive_sampled_children(log_q, gumbel, index, depth, parent, rows, count):
+    """The candidate index of each node of one row's sampled tree, drawn node by node: a node's children are the first
+    of its Gumbel-perturbed log q, in order."""
+    nodes = len(parent)
+    index = [0] * nodes
+    children = {n: [m for m in range(1, nodes) if parent[m] == n] for n in range(nodes)}
+    for n in range(nodes):  # parents come first
+        if not children[n]:
+            continue
+        after = log_q[min(depth[n], rows - 1), index[n]] + gumbel[n]
+        order = sorted(range(len(after)), key=lambda j: (-float(after[j]), j))
+        for r, child in enumerate(children[n]):
+            index[child] = order[r]
+    return index
+
+
+def naive_speculative_walk(sampled, row, target_probs, uniform, final_uniform):
+    """Recursive rejection sampling down one row's sampled tree, node by node in float64: the accepted count, the next
+    token and the node path."""
+    tree, candidates = sampled.tree, sampled.candidates[row].tolist()
+    tokens, parent, depth = tree.tokens[row].tolist(), tree.parent[row].tolist(), tree.depth[row].tolist()
+    node, path = 0, [0]
+    while True:
+        r = target_probs[row, node].double().clone()  # the residual, unnormalised
+        below = candidates[min(depth[node], len(candidates) - 1)]
+        q = torch.zeros_like(r)
+        q[below] = sampled.proposal[row, node].double()
+        moved = False
+        for child in [m for m in range(1, len(tokens)) if parent[m] == node]:  # in rank order
+            x = tokens[child]
+            if float(uniform[row, child]) * float(q[x]) * float(r.sum()) < float(r[x]):
+                node, moved = child, True
+                path.append(child)
+                break
+            r = (r - r.sum() * q).clamp(min=0)
+            q[x] = 0
+            q = q / q.sum() if q.sum() > 0 else q
+        if not moved:
+            break
+    if r.sum() <= 0:
+        r = target_probs[row, node].double()
+    cumulative = (r / r.sum()).cumsum(0)
+    token = int((cumulative <= float(final_uniform[row])).sum())
+    return len(path) - 1, min(token, int(r.nonzero().max())), path
+
+
+def random_sampled_case(batch, rows, k, vocab, nodes, seed, temperature=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    candidates, pairs = random_scores(batch, rows, k, vocab, seed)
+    shape = SampledTreeShape.grow(nodes, rows, k)
+    anchor = torch.randint(0, vocab, (batch,), generator=generator)
+    gumbel = -torch.empty(batch, nodes, k).exponential_(generator=generator).log()
+    sampled = sample_tree(anchor, candidates, pairs, shape, torch.full((batch,), temperature), gumbel)
+    return shape, sampled, candidates, pairs, gumbel, generator
+
+
+@pytest.mark.parametrize("rows, k, vocab, nodes", [(3, 4, 9, 8), (7, 6, 30, 24), (15, 16, 64, 32)])
+def test_sample_tree_and_its_acceptance_equal_naive_loops(rows, k, vocab, nodes):
+    batch = 64
+    shape, sampled, candidates, pairs, gumbel, generator = random_sampled_case(batch, rows, k, vocab, nodes, seed=rows)
+    log_q = pairs.float().log_softmax(-1)
+    tree = sampled.tree
+    for row in range(batch):
+        index = naive_sampled_children(log_q[row], gumbel[row], None, shape.depth.tolist(), shape.parent.tolist(),
+                                       rows, k)
+        assert sampled.index[row].tolist() == index
+        depth = shape.depth.tolist()
+        want = [int(candidates[row, depth[n] - 1, index[n]]) if n else int(tree.tokens[row, 0]) for n in range(nodes)]
+        assert tree.tokens[row].tolist() == want
+        for n in range(nodes):
+            q = log_q[row, min(depth[n], rows - 1), index[n]].softmax(-1)
+            assert torch.allclose(sampled.proposal[row, n], q, atol=1e-6)
+    # targets that often agree with the drafter (so walks go deep and past rank 0) and sometimes not
+    logits = torch.randn(batch, nodes, vocab, generator=generator)
+    below = candidates[:, shape.depth.clamp(max=rows - 1)]  # [b, N, K]
+    near_q = sampled.proposal.log() + 4 + 0.7 * torch.randn(batch, nodes, k, generator=generator)
+    logits.scatter_(2, below, near_q)
+    target_probs = logits.softmax(-1)
+    uniform, final_uniform = torch.rand(batch, nodes, generator=generator), torch.rand(batch, generator=generator)
+    accepted, next_token, path = speculative_accept_tree(sampled, shape, target_probs, uniform, final_uniform, rows + 1)
+    depths, later_ranks = [], 0
+    for row in range(batch):
+        count, token, nodes_on_path = naive_speculative_walk(sampled, row, target_probs, uniform, final_uniform)
+        assert (int(accepted[row]), int(next_token[row])) == (count, token), row
+        assert path[row, : count + 1].tolist() == nodes_on_path and (path[row, count + 1:] == 0).all()
+        depths.append(count)
+        later_ranks += sum(int(shape.rank[n]) > 0 for n in nodes_on_path)
+    assert max(depths) >= min(rows, 3) and later_ranks > 0, (depths, later_ranks)  # the walks tested something
+
+
+def virtual_target(vocab, seed):
+    """A target's next-token distribution after any token path, fixed by the path (cached)."""
+    cache = {}
+
+    def probs(path):
+        if path not in cache:
+            generator = torch.Generator().manual_seed(hash((seed,) + path) % 2 ** 31)
+            cache[path] = (1.5 * torch.randn(vocab, generator=generator)).softmax(-1)
+        return cache[path]
+    return probs
+
+
+def test_a_sampled_tree_round_emits_exact_samples_of_the_target():
+    """Many rounds at once (one per batch row, noise of their own) over one drafted block: the first three tokens a
+    round emits, each completed by a direct sample of the target where the round ended earlier, follow the target's
+    joint law (chi-square over all 125 triples). The drafter's proposal differs from the target's, so rejections,
+    later ranks and residual samples all take part."""
+    vocab, rows, k, nodes, draws = 5, 3, 4, 10, 30000
+    p = virtual_target(vocab, seed=3)
+    shape, sampled, candidates, pairs, gumbel, generator = random_sampled_case(1, rows, k, vocab, nodes, seed=11)
+    candidates, pairs = candidates.expand(draws, -1, -1), pairs.expand(draws, -1, -1, -1)
+    anchor = sampled.tree.tokens[:1, 0].expand(draws)
+    gumbel = -torch.empty(draws, nodes, k).exponential_(generator=generator).log()
+    sampled = sample_tree(anchor, candidates, pairs, shape, torch.ones(draws), gumbel)
+    paths = {}
+    tokens, parent = sampled.tree.tokens.tolist(), shape.parent.tolist()
+    target_probs = torch.empty(draws, nodes, vocab)
+    for row in range(draws):
+        for n in range(nodes):
+            path = () if n == 0 else paths[(row, parent[n])] + (tokens[row][n],)
+            paths[(row, n)] = path
+            target_probs[row, n] = p(path)
+    uniform, final_uniform = torch.rand(draws, nodes, generator=generator), torch.rand(draws, generator=generator)
+    accepted, next_token, path = speculative_accept_tree(sampled, shape, target_probs, uniform, final_uniform, rows + 1)
+    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    for row in range(draws):
+        emitted = [tokens[row][n] for n in path[row, 1: int(accepted[row]) + 1].tolist()] + [int(next_token[row])]
+        while len(emitted) < 3:
+            emitted.append(int(torch.multinomial(p(tuple(emitted)), 1, generator=generator)))
+        counts[tuple(emitted[:3])] += 1
+    expected = torch.zeros_like(counts)
+    for a in range(vocab):
+        for b in range(vocab):
+            for c in range(vocab):
+                expected[a, b, c] = p(())[a] * p((a,))[b] * p((a, b))[c] * draws
+    assert_follows(counts.flatten(), expected.flatten())
+    assert (accepted >= 2).sum() > draws * 0.05 and (accepted == 0).sum() > draws * 0.05, accepted.bincount()
