@@ -6,10 +6,12 @@ N nodes (root included, depth at most block - 1).
         --nodes 16,32,64 --check --out /tmp/t1_ceiling.json          # ~14 min on one CPU core
     python scripts/t1_ceiling.py --summarize /tmp/t1_ceiling.json  # the tables again
 
-Exact speculative sampling with a fixed drafted tree accepts a node iff the target's sample at its parent is the node's
-token, so a node's chance of acceptance is its path probability (the product of the target's probabilities of the tokens
-from the root to it) and a round's expected tau is 1 + the sum of the drafted nodes' path probabilities. No drafter whose
-tree does not depend on the target's own sampling randomness can do better with the same node budget.
+When the target's sample after each node is drawn independently of the drafts, and a round walks into the child that
+holds it, a node is accepted iff the target's sample at its parent is the node's token, so its chance of acceptance is
+its path probability (the product of the target's probabilities of the tokens from the root to it) and a round's
+expected tau is 1 + the sum of the drafted nodes' path probabilities. No tree of N nodes does better under that
+acceptance. Speculative sampling couples the target's sample to the drafts instead (each draft accepted with
+min(1, p/q), a rejection resampled from the residual), and escapes this ceiling: the sampled round's trees do that.
 
 For each prompt (MT-Bench first turns, the first `--per-category` of each category) the target samples `--new` tokens at
 T (seeded by the prompt's index); a "state" is the prefix after every `--stride` of them (0 included). At each state:

@@ -18,11 +18,12 @@ A round reads top to bottom: `draft_block` -> `propose` -> `verify` -> `accept`.
 and appends the emitted tokens to a per-row output buffer, so rounds can be queued back to back with no host read in
 between; a finished row (EOS or max_new_tokens) freezes until the host notices.
 
-With `tree_nodes`, `tree_round` verifies a tree instead of a path (`tree.py`): `draft_block` -> `draft_tree` ->
+With `tree_nodes`, `tree_round` verifies a tree instead of a path (`tree.py`): `draft_block` -> `draft_tree` (greedy:
+the beam's best nodes) or `sample_tree` (sampling: children sampled from the drafter's proposal into a fixed shape) ->
 `verify_tree` (the tree's N nodes at columns start .. start+N-1, each seeing the context and its own root path) ->
-`node_tokens` (the target's token after each node: its argmax, or when sampling a sample of its warped distribution)
--> `accept_tree` -> `keep_path` (the accepted path's keys moved to the columns of depths 0 .. B-1) -> `accept` with
-the path as the block, so the state after the round is laid out as after a path round.
+`accept_tree` (the target's argmax after each node) or `speculative_accept_tree` (rejection sampling at every node)
+-> `keep_path` (the accepted path's keys moved to the columns of depths 0 .. B-1) -> `accept` with the path as the
+block, so the state after the round is laid out as after a path round.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import transformers
 
 from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
-from .sampling import (Sampling, cumulative_probabilities, draft_temperature, first_token, greedy_accept, is_any_of,
-                       padded_eos_ids, row_warped_logits, row_warped_probabilities, speculative_accept)
-from .tree import DraftTree, accept_tree, draft_tree
+from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
+                       row_warped_probabilities, speculative_accept)
+from .tree import DraftTree, SampledTree, SampledTreeShape, accept_tree, draft_tree, sample_tree, speculative_accept_tree
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
 # Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one.
@@ -191,8 +192,13 @@ class RoundCore:
         self.draft_noise = torch.zeros(batch, block - 1, width, device=device)
         self.uniform = torch.zeros(batch, block - 1, device=device)
         self.bonus_noise = torch.zeros(batch, config.vocab_size, device=device)
-        # a sampled tree round: one uniform per node, for the target's sample after it (inverse CDF)
+        # a sampled tree round (`sample_tree`): its fixed shape, Gumbel noise per node over the candidates below it
+        # (its children's draw), a uniform per node (its test) and one per row (the sample that ends the round)
+        candidates = min(config.selector_top_k, config.vocab_size)
+        self.sampled_shape = SampledTreeShape.grow(tree_nodes, block - 1, candidates, device) if tree_nodes else None
+        self.node_gumbel = torch.zeros(batch, tree_nodes, candidates, device=device)
         self.node_uniform = torch.zeros(batch, tree_nodes, device=device)
+        self.final_uniform = torch.zeros(batch, device=device)
 
     # ------------------------------------------------------------------------------------------ masks
     def target_masks(self, query_columns: torch.Tensor):
@@ -281,7 +287,7 @@ class RoundCore:
     def sampled_round(self) -> None:
         """`round` with exact speculative sampling: drafts sampled at each row's temperature, accepted against the
         target's distribution warped by each row's settings (fill the noise first: `draw_noise`). With `tree_nodes`,
-        the tree round with the target's tokens sampled (`tree_round`)."""
+        the sampled tree round (`tree_round`)."""
         if self.tree_nodes:
             return self.tree_round(sampled=True)
         hidden = self.draft_block()
@@ -295,21 +301,37 @@ class RoundCore:
 
     # ------------------------------------------------------------------------------------------ a round with a tree
     def tree_round(self, sampled: bool = False) -> None:
-        """draft -> tree -> verify every node -> the target's token after each node -> accept the longest root path
-        that follows them -> keep it, every shape fixed. `sampled`: the tokens are samples (`node_tokens`)."""
+        """draft -> tree -> verify every node -> accept the longest root path the target follows -> keep it, every
+        shape fixed. Greedy: the beam's tree and the target's argmax after each node. `sampled`: a tree sampled from
+        the drafter's proposal, accepted by exact speculative sampling at each node (`speculative_accept_tree`)."""
         hidden = self.draft_block()
-        tree = self.draft_tree(hidden)
+        if sampled:
+            drafted = self.sample_tree(hidden)
+            tree = drafted.tree
+        else:
+            tree = self.draft_tree(hidden)
         logits, features = self.verify_tree(tree)
-        target_tokens = self.node_tokens(logits, sampled)
-        accepted, next_token, path = accept_tree(tree, target_tokens, self.block_size)  # path [b, B]
+        if sampled:
+            target_probs = row_warped_probabilities(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
+            accepted, next_token, path = speculative_accept_tree(drafted, self.sampled_shape, target_probs,
+                                                                 self.node_uniform, self.final_uniform,
+                                                                 self.block_size)
+        else:
+            accepted, next_token, path = accept_tree(tree, logits.argmax(-1), self.block_size)  # path [b, B]
         self.keep_path(path)
         path_features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
         self.accept(tree.tokens.gather(1, path), accepted, next_token, path_features)
 
     def draft_tree(self, hidden: torch.Tensor) -> DraftTree:
-        """The tree of `tree_nodes` nodes from the denoised block [b, B, H]."""
+        """The beam's tree of `tree_nodes` nodes from the denoised block [b, B, H]."""
         candidates, pairs = self.drafter.candidate_scores(self.anchor, hidden)
         return draft_tree(self.anchor, candidates, pairs, self.tree_nodes, self.tree_width)
+
+    def sample_tree(self, hidden: torch.Tensor) -> SampledTree:
+        """The sampled tree of `tree_nodes` nodes (`sampled_shape`) from the denoised block [b, B, H], children drawn
+        at each row's temperature with `node_gumbel`."""
+        candidates, pairs = self.drafter.candidate_scores(self.anchor, hidden)
+        return sample_tree(self.anchor, candidates, pairs, self.sampled_shape, self.temperature, self.node_gumbel)
 
     def verify_tree(self, tree: DraftTree):
         """One target forward over the tree's nodes at columns start .. start+N-1 (positions by depth): the target's
@@ -320,26 +342,6 @@ class RoundCore:
         out = self.target(input_ids=tree.tokens, position_ids=positions, attention_mask=self.tree_masks(tree),
                           use_cache=True, output_hidden_states=True, **{self.cache_keyword: self.target_cache})
         return out.logits, tap_target_features(out.hidden_states, self.layer_ids).to(self.device)
-
-    def node_tokens(self, logits: torch.Tensor, sampled: bool) -> torch.Tensor:
-        """The target's token after each node [b, N]: its argmax, or (`sampled`) a sample of its distribution warped
-        by the row's settings: the first token whose cumulative probability passes the node's own uniform
-        (`draw_noise`; one number per node, where Gumbel noise over the vocabulary cost a CPU 6 ms a round).
-
-        Sampling stays exact: a round emits the tokens of the nodes it walks through, each node's token a sample of
-        the target's distribution after that node's root path, drawn with noise of its own, so each emitted token
-        is a sample of the target's distribution after everything emitted before it, whichever drafts the tree
-        holds. The drafts only decide how many of those samples one round keeps: a child is walked into when it
-        holds its parent's sample."""
-        if not sampled:
-            return logits.argmax(-1)
-        warped = row_warped_logits(logits, self.temperature, self.top_k, self.top_p)  # [b, N, V]
-        cumulative = cumulative_probabilities(warped)  # [b, N, V], the last entry the total
-        # the first entry past u * total (so never a token the warping removed); should rounding put u * total at the
-        # total, the last token it kept
-        drawn = (cumulative <= self.node_uniform.unsqueeze(-1) * cumulative[..., -1:]).sum(-1)
-        vocab = torch.arange(warped.shape[-1], device=warped.device)
-        return torch.minimum(drawn, (warped.isfinite() * vocab).amax(-1))
 
     def tree_masks(self, tree: DraftTree):
         """What the tree's nodes see: the row's real columns before `start`, and the columns of the nodes on their own
@@ -378,9 +380,12 @@ class RoundCore:
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
         """Fill the sampled round's random buffers in place: Gumbel noise for the walk and the bonus and uniforms for
-        the tests of a path round, a uniform per node of a tree round."""
+        the tests of a path round; for a tree round, Gumbel noise for each node's children and uniforms for each
+        node's test and the round's last sample."""
         if self.tree_nodes:
+            sample_gumbel(self.node_gumbel.shape, self.device, generator, out=self.node_gumbel)
             self.node_uniform.uniform_(generator=generator)
+            self.final_uniform.uniform_(generator=generator)
             return
         for buffer in (self.draft_noise, self.bonus_noise):
             sample_gumbel(buffer.shape, buffer.device, generator, out=buffer)
