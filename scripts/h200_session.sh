@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark calls of one 2 x H200 lease (device kind nvidia-h200-x2), one lane per GPU, each call inside 10 minutes.
 # The calls go back to back (a warm machine keeps /tmp for about 30 s after a call). Staging the default target's GGUF
-# needs two calls (../shared/device/stage-target.sh: .device/part1, .device/part2); the `scale-*` phases need no
+# needs one call per chunk (../shared/device/stage-target.sh: .device/part1, part2, ...; a call carries at most 64 MiB
+# with the tree, so a tree of ~38 MB takes chunks of 16 MB, six of them); the `scale-*` phases need no
 # target, so each staging call also runs a random-weight scale part. `speed` needs the target staged and .carry/eval
 # carried (HumanEval.jsonl.gz + question.jsonl: the image lacks the packages that ship them).
 #
