@@ -354,8 +354,10 @@ def target_features_and_labels(target, token_ids: torch.Tensor, layer_ids: list[
     with torch.no_grad():
         out = target(input_ids=token_ids, output_hidden_states=True)
         labels = None
-        if top_k:
-            probs, ids = out.logits.float().softmax(-1).topk(top_k, dim=-1)
+        if top_k:  # a sequence at a time: a whole batch's fp32 logits and their softmax are 4.8 GB each at batch 32
+            # and 768 tokens (a run with soft labels ran out of GPU memory beside one without, holding 70 GB to its 65)
+            tops = [row.float().softmax(-1).topk(top_k, dim=-1) for row in out.logits]
+            probs, ids = torch.stack([top.values for top in tops]), torch.stack([top.indices for top in tops])
             labels = SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
     return tap_target_features(out.hidden_states, layer_ids), labels
 
