@@ -35,7 +35,8 @@ from .configuration_dflash2 import tree_nodes_problem
 from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
                        row_warped_probabilities, speculative_accept)
-from .tree import DraftTree, SampledTree, SampledTreeShape, accept_tree, draft_tree, sample_tree, speculative_accept_tree
+from .tree import (DraftTree, SampledTree, SampledTreeShape, accept_tree, draft_tree, sample_tree,
+                   speculative_accept_tree)
 
 PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, capacity] mask and the hidden states
 # Prefill widths when prompts are bucketed (for captured prefill graphs): a prompt is left-padded to the next one.

@@ -148,8 +148,7 @@ def deepest_path(tree: DraftTree, follows: torch.Tensor, block_size: int):
     """The deepest node whose whole root path follows (follows [b, N]: the walk goes from a node's parent into it; at
     most one child of a node does): its depth [b] (drafts accepted), the node [b] and the path [b, B] (its root path's
     node at depths 0 .. B-1; past its end, the root)."""
-    follows = follows.clone()
-    follows[:, 0] = True
+    follows = follows | (torch.arange(follows.shape[1], device=follows.device) == 0)  # the root always
     accepted_node = ~(tree.ancestors & ~follows.unsqueeze(1)).any(-1)  # [b, N]: the whole root path follows
     deepest = (accepted_node * (tree.depth + 1)).argmax(-1)  # [b]; unique: one child of a node follows
     accepted = tree.depth.gather(1, deepest.view(-1, 1)).squeeze(1)
@@ -170,13 +169,16 @@ SAMPLED_CHILD_ACCEPTANCE = (0.45, 0.12, 0.06, 0.035, 0.02, 0.012, 0.008, 0.005)
 @dataclass
 class SampledTreeShape:
     """The fixed shape of a sampled tree (root first, parents before children), the same every round: node n is the
-    `rank[n]`-th child of `parent[n]`, at `depth[n]`; children [N, C] lists each node's children by rank (-1: none).
-    Only the tokens are drawn each round (`sample_tree`); a shape that depended on them would bias the samples."""
+    `rank[n]`-th child of `parent[n]`, at `depth[n]`; children [N, C] lists each node's children by rank (-1: none);
+    below [N] is the draft row a node's children come from (its depth; the last row for a node at the bottom, which
+    has none). Only the tokens are drawn each round (`sample_tree`); a shape that depended on them would bias the
+    samples."""
 
     parent: torch.Tensor
     rank: torch.Tensor
     depth: torch.Tensor
     children: torch.Tensor
+    below: torch.Tensor
     max_depth: int  # a number on the host: a round reads it without a synchronisation
 
     @classmethod
@@ -186,10 +188,9 @@ class SampledTreeShape:
         each root path (ties to the earlier node)."""
         # past the listed ranks, each further rank half as likely (so any tree of the beam's size fits: k children)
         acceptance = list(acceptance) + [acceptance[-1] / 2 ** (r + 1) for r in range(max(0, k - len(acceptance)))]
-        most_children = k
         parent, rank, depth, value, child_count = [0], [0], [0], [1.0], [0]
         while len(parent) < nodes:
-            open_nodes = [n for n in range(len(parent)) if depth[n] < rows and child_count[n] < most_children]
+            open_nodes = [n for n in range(len(parent)) if depth[n] < rows and child_count[n] < k]
             if not open_nodes:
                 raise ValueError(f"a sampled tree over {rows} rows of {k} candidates has fewer than {nodes} nodes")
             best = max(open_nodes, key=lambda n: (value[n] * acceptance[child_count[n]], -n))
@@ -204,8 +205,9 @@ class SampledTreeShape:
         for n in range(1, nodes):
             children[parent[n]][rank[n]] = n
         long = dict(dtype=torch.long, device=device)
-        return cls(torch.tensor(parent, **long), torch.tensor(rank, **long), torch.tensor(depth, **long),
-                   torch.tensor(children, **long), max(depth))
+        depth_tensor = torch.tensor(depth, **long)
+        return cls(torch.tensor(parent, **long), torch.tensor(rank, **long), depth_tensor,
+                   torch.tensor(children, **long), depth_tensor.clamp(max=rows - 1), max(depth))
 
 
 @dataclass
@@ -228,8 +230,7 @@ def sample_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Ten
     the earlier children removed. candidates [b, R, K]; pairs [b, R, K, K]; temperature [b]; anchor [b]."""
     batch, rows, k = candidates.shape
     log_q = (pairs.float() / temperature.view(-1, 1, 1, 1)).log_softmax(-1)  # [b, R, K, K]
-    below = shape.depth.clamp(max=rows - 1)  # [N]: the row each node's children come from
-    log_q_below = log_q[:, below]  # [b, N, K, K]: after each candidate of the row above
+    log_q_below = log_q[:, shape.below]  # [b, N, K, K]: the row below each node, after each candidate of its row
     most_children = shape.children.shape[1]
     index = torch.zeros(batch, shape.parent.shape[0], dtype=torch.long, device=candidates.device)
     for _ in range(shape.max_depth):  # depth d's indices are final after d passes
@@ -257,9 +258,8 @@ def speculative_accept_tree(sampled: SampledTree, shape: SampledTreeShape, targe
     (uniform [b, N]), so all chains run at once, the walk afterwards. Returns accepted [b], next_token [b], path
     [b, B] as `accept_tree` does."""
     tree, candidates = sampled.tree, sampled.candidates
-    batch, rows = candidates.shape[:2]
-    below = shape.depth.clamp(max=rows - 1)
-    next_candidates = candidates[:, below]  # [b, N, K]
+    batch = candidates.shape[0]
+    next_candidates = candidates[:, shape.below]  # [b, N, K]
     residual = target_probs.gather(2, next_candidates)  # [b, N, K]: r at each node's child candidates (unnormalised)
     total = torch.ones(batch, residual.shape[1], device=residual.device)  # [b, N]: r's total mass
     q = sampled.proposal
@@ -270,12 +270,12 @@ def speculative_accept_tree(sampled: SampledTree, shape: SampledTreeShape, targe
         q_j, r_j = q.gather(2, j).squeeze(-1), residual.gather(2, j).squeeze(-1)
         test = (child >= 0) & (accepted_child < 0)
         accept = test & (uniform[:, child.clamp(min=0)] * q_j * total < r_j)
-        reject = (test & ~accept).unsqueeze(-1)
+        reject = test & ~accept
         shrunk = (residual - total.unsqueeze(-1) * q).clamp(min=0)
-        total = torch.where(reject.squeeze(-1), (total - (residual - shrunk).sum(-1)).clamp(min=0), total)
-        residual = torch.where(reject, shrunk, residual)
+        total = torch.where(reject, (total - (residual - shrunk).sum(-1)).clamp(min=0), total)
+        residual = torch.where(reject.unsqueeze(-1), shrunk, residual)
         rest = q.scatter(2, j, 0.0)
-        q = torch.where(reject, rest / rest.sum(-1, keepdim=True).clamp(min=1e-30), q)
+        q = torch.where(reject.unsqueeze(-1), rest / rest.sum(-1, keepdim=True).clamp(min=1e-30), q)
         accepted_child = torch.where(accept, child, accepted_child)
     follows = accepted_child.gather(1, tree.parent) == torch.arange(tree.tokens.shape[1], device=q.device)
     accepted, deepest, path = deepest_path(tree, follows, block_size)

@@ -405,7 +405,7 @@ def test_a_sampled_tree_shape_is_grown_best_first_parents_first(nodes, rows, k):
         SampledTreeShape.grow(5, 2, 1)  # one candidate per row: a chain of 3 nodes at most
 
 
-def naive_sampled_children(log_q, gumbel, index, depth, parent, rows, count):
+def naive_sampled_children(log_q, gumbel, depth, parent, rows):
     """The candidate index of each node of one row's sampled tree, drawn node by node: a node's children are the first
     of its Gumbel-perturbed log q, in order."""
     nodes = len(parent)
@@ -468,8 +468,7 @@ def test_sample_tree_and_its_acceptance_equal_naive_loops(rows, k, vocab, nodes)
     log_q = pairs.float().log_softmax(-1)
     tree = sampled.tree
     for row in range(batch):
-        index = naive_sampled_children(log_q[row], gumbel[row], None, shape.depth.tolist(), shape.parent.tolist(),
-                                       rows, k)
+        index = naive_sampled_children(log_q[row], gumbel[row], shape.depth.tolist(), shape.parent.tolist(), rows)
         assert sampled.index[row].tolist() == index
         depth = shape.depth.tolist()
         want = [int(candidates[row, depth[n] - 1, index[n]]) if n else int(tree.tokens[row, 0]) for n in range(nodes)]
@@ -479,7 +478,7 @@ def test_sample_tree_and_its_acceptance_equal_naive_loops(rows, k, vocab, nodes)
             assert torch.allclose(sampled.proposal[row, n], q, atol=1e-6)
     # targets that often agree with the drafter (so walks go deep and past rank 0) and sometimes not
     logits = torch.randn(batch, nodes, vocab, generator=generator)
-    below = candidates[:, shape.depth.clamp(max=rows - 1)]  # [b, N, K]
+    below = candidates[:, shape.below]  # [b, N, K]
     near_q = sampled.proposal.log() + 4 + 0.7 * torch.randn(batch, nodes, k, generator=generator)
     logits.scatter_(2, below, near_q)
     target_probs = logits.softmax(-1)
