@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dflash2.pairs import (UsageError, add_model_arguments, check_device, check_drafter, check_model_arguments,
-                           check_target, drafter_overrides, load_pair, positive_int)
+                           check_target, drafter_overrides, load_pair, positive_int, sampling_kwargs)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
@@ -122,8 +122,7 @@ def command_generate(args) -> None:
     target, tokenizer, drafter = load_pair(args, check=False)
     device = drafter.device
     ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=device)
-    sampling = {"do_sample": False} if args.temperature == 0 else {
-        "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    sampling = sampling_kwargs(args.temperature, args.top_p)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                   pad_token_id=tokenizer.eos_token_id, **sampling)
     if args.static:  # both sides get static caches: the fixed-shape DFlash 2 loop against compiled plain decoding
@@ -254,8 +253,7 @@ def command_precompile(args) -> None:
 
     target, tokenizer, drafter = load_pair(args)
     ids = torch.tensor([chat_prompt_ids(tokenizer, "Hello")], device=drafter.device)
-    sampling = {"do_sample": False} if args.temperature == 0 else {
-        "do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    sampling = sampling_kwargs(args.temperature, args.top_p)
     config, graphs = drafter.config, uses_graphs(target, drafter)
     width = prefill_width(ids.shape[1], config.block_size, bucketed=graphs)
     fixed = width + columns_per_round(config.block_size, config.tree_nodes)  # columns besides the new tokens

@@ -8,13 +8,13 @@
     python -m dflash2.benchmarks.acceptance --table t0.json t1.json   # one Markdown table of saved reports
 
 Runs DFlash 2's own loop (`cache_implementation="static"`) with the drafter's rounds: a tree of the config's
-`tree_nodes` (the shipped drafter: 16), or what --tree-nodes asks for (0: one path, the drafts of transformers'
-assisted loop). Prints,
-per task, τ = completion tokens / target forwards (prefill included) over all its prompts, its spread over prompts,
-and τ per prompt category (`tasks.task_categories`: MT-Bench's eight, "code", "math word problems"). Greedy at
---temperature 0 (the default); sampled above it (seeded by --seed, the same for every drafter). With several
---drafter, each is measured in turn on the same prompts and the report holds one run per drafter; every run ends with
-the Markdown table of τ by category (the categories' mean too, the average a balanced drafter is judged by).
+`tree_nodes` (the shipped drafter: 32), or what --tree-nodes asks for (0: one path, the drafts of transformers'
+assisted loop). Prints, per task, τ = completion tokens / target forwards (prefill included) over all its prompts, its
+spread over prompts, and τ per prompt category (`tasks.task_categories`: MT-Bench's eight, "code", "math word
+problems"). Greedy at --temperature 0 (the default); sampled above it, with no top-k cut (seeded by --seed, the same
+for every drafter). With several --drafter, each is measured in turn on the same prompts and the report holds one run
+per drafter; every run ends with the Markdown table of τ by category (the categories' mean too, the average a balanced
+drafter is judged by).
 """
 
 from __future__ import annotations
@@ -82,18 +82,17 @@ def main(argv=None):
 
 def measure(args, tasks: list[str], skips: list[int]) -> dict:
     """One drafter's report: τ per task and per prompt category, and per prompt."""
-    from dflash2.pairs import load_pair
+    from dflash2.pairs import load_pair, sampling_kwargs
     from dflash2.tasks import prompt_ids, task_categories, task_prompts
 
     target, tokenizer, drafter = load_pair(args, check=False)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else (
-        dict(do_sample=False))
+    sampling = sampling_kwargs(args.temperature, args.top_p)
     torch.manual_seed(args.seed)
     from tqdm.auto import tqdm
 
     tree_nodes = drafter.config.tree_nodes if args.tree_nodes is None else args.tree_nodes
     report = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "top_p": args.top_p if args.temperature > 0 else None, "tree_nodes": tree_nodes,
+              "top_p": sampling.get("top_p"), "top_k": sampling.get("top_k"), "tree_nodes": tree_nodes,
               "device": str(drafter.device), "dtype": str(target.dtype), "tasks": {}}
     for task, skip in zip(tasks, skips):
         tokens = forwards = 0
@@ -143,8 +142,8 @@ def report_runs(report: dict) -> list[dict]:
 def category_table(runs: list[dict]) -> str:
     """Markdown: a row per prompt category, per task with several categories the mean of its categories' τ, and per
     task its τ over all prompts; a column per run (drafter and temperature)."""
-    columns = [f"{run['drafter']}, T {run['temperature']:g}" + (f", tree {run['tree_nodes']}" if run.get("tree_nodes")
-                                                                 else ", path" if "tree_nodes" in run else "")
+    columns = [f"{run['drafter']}, T {run['temperature']:g}" + top_k_label(run)
+               + (f", tree {run['tree_nodes']}" if run.get("tree_nodes") else ", path" if "tree_nodes" in run else "")
                for run in runs]
     rows: dict[str, list] = {}
     for column, run in enumerate(runs):
@@ -159,6 +158,15 @@ def category_table(runs: list[dict]) -> str:
     lines += [f"| {name} | " + " | ".join("" if tau is None else f"{tau:.2f}" for tau in taus) + " |"
               for name, taus in rows.items()]
     return "\n".join(lines)
+
+
+def top_k_label(run: dict) -> str:
+    """A sampled run's top-k cut, when it had one: reports written before `top_k` was recorded sampled with
+    transformers' default top-k of 50."""
+    if not run["temperature"]:
+        return ""
+    top_k = run.get("top_k", 50)
+    return f", top-k {top_k}" if top_k else ""
 
 
 def file_prompts(path) -> list:

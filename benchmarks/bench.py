@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash2.benchmarks.common import round_kind, settle
+from dflash2.pairs import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
 
@@ -146,8 +147,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     """drafters: {"dflash2": drafter, optional "dflash1": drafter}, attached to `target`."""
     device = target.get_output_embeddings().weight.device
     greedy = temperature == 0
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
-                                                     "top_k": 0}
+    sampling = sampling_kwargs(temperature, top_p)
     methods = ["plain"] + (["plain-static"] if static else []) + (["plain-graph"] if static and greedy else [])
     methods += ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])

@@ -19,6 +19,8 @@ static cache) and `plain-graph`, the expert baseline: a plain greedy loop with t
 `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
 first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
 tau and tokens/s over the path's.
+Greedy by default; `--temperature T` (and `--top-p`) samples in every timed call but the sweep's, with no top-k cut
+(`plain-graph` is greedy only, so it is refused there).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -72,7 +74,7 @@ def summary(times, tokens):
 
 def main(argv=None):
     from dflash2.benchmarks.common import command_line
-    from dflash2.pairs import add_model_arguments, load_pair
+    from dflash2.pairs import add_model_arguments, load_pair, sampling_kwargs
     from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
@@ -115,6 +117,9 @@ def main(argv=None):
                              "process (same prompts) into speedups and output agreement, written to --out")
     parser.set_defaults(max_new_tokens=256)
     args = parser.parse_args(argv)
+    if args.temperature > 0 and "plain-graph" in args.methods.split(","):
+        parser.error("--methods plain-graph decodes greedily and cannot time sampling: leave it out of --methods, or "
+                     "time at --temperature 0")
     skips = {"humaneval": args.skip_humaneval, "mtbench": args.skip_mtbench, "math": args.skip_math}
     tasks = args.tasks.split(",")
     if not tasks or any(task not in skips for task in tasks):
@@ -130,7 +135,10 @@ def main(argv=None):
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
     categories = {task: task_categories(task, args.num_prompts, skip=skips[task]) for task in tasks}
-    common = dict(do_sample=False, pad_token_id=pad, max_new_tokens=args.max_new_tokens)
+    # --temperature / --top-p: every timed call samples so, but for the sweep (greedy, a stall check) and the settings
+    # section (which brings its own settings)
+    sampling = sampling_kwargs(args.temperature, args.top_p)
+    common = dict(pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
                                **({"compile": True} if args.compile else {}),
@@ -141,7 +149,8 @@ def main(argv=None):
     results = {"settings": {"command": command_line("dflash2.benchmarks.speed", argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
-                            "max_new_tokens": args.max_new_tokens, "prompts": {k: len(v) for k, v in prompts.items()},
+                            "max_new_tokens": args.max_new_tokens, "sampling": sampling,
+                            "prompts": {k: len(v) for k, v in prompts.items()},
                             "skip": {task: skips[task] for task in tasks},
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
 
@@ -152,7 +161,8 @@ def main(argv=None):
                                                       target.generation_config.eos_token_id, settings["pad_token_id"],
                                                       args.plain_graph_compile)
             return out, seconds, out.shape[1] - ids.shape[1], None
-        out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common,
+        own = {} if "do_sample" in extra else sampling  # a call that names its own sampling setting keeps it whole
+        out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common, **own,
                                                      **methods[method], **extra})
         stats = drafter.last_stats if is_dflash2(method) else None
         return out, seconds, out.shape[1] - ids.shape[1], stats
@@ -215,7 +225,8 @@ def main(argv=None):
                 entry[method]["tau"] = round(sum(r[1] for r in runs) / sum(r[3] for r in runs), 3)
         if "dflash2" in entry and "plain" in entry:
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
-            entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
+            if not sampling["do_sample"]:  # sampled outputs differ between methods by design
+                entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         entry.update(against_plain_graph(entry))
         entry.update(tree_over_path(entry))
         entry["by_category"] = by_category(entry, categories[task])
@@ -237,7 +248,8 @@ def main(argv=None):
         results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
         save(results, args.out)
     if "batches" in sections and args.batch_sizes:
-        results["batches"] = batches(args, encoded, target, drafter, device, methods, common, pad, selected)
+        results["batches"] = batches(args, encoded, target, drafter, device, methods, {**common, **sampling}, pad,
+                                     selected)
     return finish(results, args.out)
 
 

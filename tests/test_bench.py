@@ -116,7 +116,7 @@ def test_acceptance_tau_by_category_and_its_table():
     run = {"drafter": "d", "temperature": 0.0, "tasks": {
         "mtbench": {"prompts": 3, "skip": 0, "tau": 2.667, "by_category": table},
         "math": {"prompts": 1, "skip": 0, "tau": 1.5, "by_category": {"math word problems": {"prompts": 1, "tau": 1.5}}}}}
-    other = {**run, "drafter": "e", "temperature": 1.0, "tasks": {"math": run["tasks"]["math"]}}
+    other = {**run, "drafter": "e", "temperature": 1.0, "top_k": 0, "tasks": {"math": run["tasks"]["math"]}}
     lines = category_table([run, other]).splitlines()
     assert lines[0] == "| τ | d, T 0 | e, T 1 |"
     assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
@@ -150,6 +150,83 @@ def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
                                   tree_nodes=asked, prompt_file=None, num_prompts=None)
         report = acceptance.measure(args, ["mtbench"], [0])
         assert seen == [expected, expected] and report["tree_nodes"] == expected
+
+
+def test_sampling_options_have_no_top_k_cut():
+    """--temperature / --top-p become generate's settings in one place: greedy at 0, else sampling with no top-k cut
+    (transformers' default top-k of 50 would otherwise narrow what "T = 1" samples from)."""
+    from dflash2.pairs import sampling_kwargs
+
+    assert sampling_kwargs(0.0, 0.9) == {"do_sample": False}
+    assert sampling_kwargs(1.0) == {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert sampling_kwargs(0.7, 0.9) == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+
+
+def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
+    import argparse
+    import types
+
+    import torch
+
+    from dflash2.benchmarks import acceptance
+
+    seen = []
+    stats = types.SimpleNamespace(completion_tokens=8, target_forwards=4, acceptance_length=2.0)
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(tree_nodes=32), device=torch.device("cpu"),
+                                    last_stats=stats)
+    target = types.SimpleNamespace(dtype=torch.float32, generate=lambda ids, **kwargs: seen.append(kwargs))
+    tokenizer = types.SimpleNamespace(eos_token_id=0)
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=False: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a"])
+    monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x"])
+    monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
+    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0, no_fusion=True,
+                              tree_nodes=None, prompt_file=None, num_prompts=None)
+    report = acceptance.measure(args, ["mtbench"], [0])
+    assert (seen[0]["do_sample"], seen[0]["temperature"], seen[0]["top_k"]) == (True, 1.0, 0)
+    assert report["top_k"] == 0
+    header = acceptance.category_table([report, {**report, "top_k": 50}]).splitlines()[0]
+    assert header == "| τ | d, T 1, tree 32 | d, T 1, top-k 50, tree 32 |"
+    old = {k: v for k, v in report.items() if k != "top_k"}  # a report from before top_k was recorded
+    assert acceptance.category_table([old]).splitlines()[0] == "| τ | d, T 1, top-k 50, tree 32 |"
+
+
+def test_speed_times_sampling_when_asked_and_refuses_the_greedy_only_baseline(monkeypatch):
+    """--temperature reaches every timed generate call (it was once parsed and ignored); plain-graph, a greedy loop,
+    is refused before any model loads."""
+    import types
+
+    import pytest
+    import torch
+
+    from dflash2.benchmarks import speed
+
+    def no_load(args, check=True):
+        raise AssertionError("models loaded before the arguments were checked")
+
+    monkeypatch.setattr("dflash2.pairs.load_pair", no_load)
+    with pytest.raises(SystemExit) as refused:
+        speed.main(["--temperature", "1", "--methods", "plain,plain-graph"])
+    assert refused.value.code == 2
+
+    seen = []
+    drafter = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    tokenizer = types.SimpleNamespace(eos_token_id=0)
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
+    monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
+    monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
+    monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [1, 2, 3])
+
+    def timed(target, ids, device, **kwargs):
+        seen.append(kwargs)
+        return torch.cat([ids, torch.ones(1, 4, dtype=ids.dtype)], dim=1), 0.01
+
+    monkeypatch.setattr(speed, "timed", timed)
+    report = speed.main(["--temperature", "0.8", "--top-p", "0.9", "--methods", "plain", "--quick", "--tasks",
+                         "mtbench", "--num-prompts", "2", "--device", "cpu"])
+    assert len(seen) == 3  # the cold call, then each prompt once
+    assert all((k["do_sample"], k["temperature"], k["top_p"], k["top_k"]) == (True, 0.8, 0.9, 0) for k in seen)
+    assert report["settings"]["sampling"]["temperature"] == 0.8
 
 
 def test_speed_settings_change_runs_each_setting_twice_with_the_same_noise():
