@@ -140,13 +140,19 @@ def report_runs(report: dict) -> list[dict]:
 
 
 def category_table(runs: list[dict]) -> str:
-    """Markdown: a row per prompt category, per task with several categories the mean of its categories' τ, and per
-    task its τ over all prompts; a column per run (drafter and temperature)."""
+    """Markdown: a row per prompt category, per task with several categories the mean of its categories' τ, per task its
+    τ over all prompts, and for runs of several tasks the mean over all their categories (the average a drafter is
+    judged by); a column per run (drafter and temperature)."""
     columns = [f"{run['drafter']}, T {run['temperature']:g}" + top_k_label(run)
                + (f", tree {run['tree_nodes']}" if run.get("tree_nodes") else ", path" if "tree_nodes" in run else "")
                for run in runs]
     rows: dict[str, list] = {}
+    overall: dict[str, list] = {}  # the mean over every task's categories, for runs of several tasks
     for column, run in enumerate(runs):
+        every = [row["tau"] for entry in run["tasks"].values() for row in entry["by_category"].values()]
+        if len(run["tasks"]) > 1:
+            overall.setdefault(f"every task: mean of its {len(every)} categories", [None] * len(runs))[column] = (
+                round(statistics.mean(every), 3))
         for task, entry in run["tasks"].items():
             cells = {name: row["tau"] for name, row in entry["by_category"].items()}
             if len(cells) > 1:
@@ -156,7 +162,7 @@ def category_table(runs: list[dict]) -> str:
                 rows.setdefault(name, [None] * len(runs))[column] = tau
     lines = ["| τ | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
     lines += [f"| {name} | " + " | ".join("" if tau is None else f"{tau:.2f}" for tau in taus) + " |"
-              for name, taus in rows.items()]
+              for name, taus in {**rows, **overall}.items()]
     return "\n".join(lines)
 
 

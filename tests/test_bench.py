@@ -106,7 +106,8 @@ def test_speed_reports_the_tree_beside_the_path_per_category():
 
 def test_acceptance_tau_by_category_and_its_table():
     """τ of a category is its prompts' tokens over their forwards (not a mean of per-prompt τ); the table has a row per
-    category, the mean of a task's categories, the task's τ over all its prompts, and a column per run."""
+    category, the mean of a task's categories, the task's τ over all its prompts, the mean over every task's categories,
+    and a column per run."""
     from dflash2.benchmarks.acceptance import by_category, category_table
 
     rows = [{"tokens": 30, "target_forwards": 10}, {"tokens": 10, "target_forwards": 10},
@@ -121,6 +122,7 @@ def test_acceptance_tau_by_category_and_its_table():
     assert lines[0] == "| τ | d, T 0 | e, T 1 |"
     assert "| writing | 2.00 |  |" in lines and "| mtbench: mean of its 2 categories | 3.00 |  |" in lines
     assert "| math word problems | 1.50 | 1.50 |" in lines and "| mtbench: all 3 prompts from 0 | 2.67 |  |" in lines
+    assert lines[-1] == "| every task: mean of its 3 categories | 2.50 |  |"  # (2 + 4 + 1.5) / 3; e has one task
     trees = [{**other, "tree_nodes": 16}, {**other, "tree_nodes": 0}]  # reports that record their rounds
     assert category_table(trees).splitlines()[0] == "| τ | e, T 1, tree 16 | e, T 1, path |"
 
