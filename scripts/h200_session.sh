@@ -29,6 +29,7 @@
 #   bash scripts/h200_session.sh tree-both # one GPU: tree-he then tree-mt in one call
 #   bash scripts/h200_session.sh table     # one GPU: the README table (default loop, tree) against plain-graph
 #   bash scripts/h200_session.sh acceptance  # one GPU: tau by category, T 0 and 1, trees of 16 and 32 nodes
+#   CANDIDATE=DIR bash scripts/h200_session.sh compare  # one GPU: the shipped drafter against DIR, T 0 and 1
 #   bash scripts/h200_session.sh settings  # one GPU: a new sampling setting's first call (seeded), fused rounds
 #   bash scripts/h200_session.sh round-ratio  # one GPU, no target: fused round / fused 16-token forward, 135M and 8B
 #   bash scripts/h200_session.sh tree-profile # one GPU, no target: the path round and the tree round, part by part
@@ -159,6 +160,19 @@ acceptance)  # one GPU: issue #30's table, tau by category (all 80 MT-Bench firs
   done
   wait
   python3 -m dflash2.benchmarks.acceptance --table "$S"/acceptance-t*.json | tee "$S/acceptance-table.md"
+  ;;
+compare)  # one GPU: the shipped drafter against CANDIDATE (a drafter folder) on issue #30's prompts, greedy and T = 1,
+          # this config's tree, both drafters in one process per temperature (--no-fusion: the eager-kernel round
+          # throughout, so no switch to the fused round lands at another prompt in each drafter's run)
+  [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
+  [ -e "${CANDIDATE:-}/config.json" ] || { echo "CANDIDATE=<drafter folder> is needed"; exit 2; }
+  for temperature in 0 1; do
+    step "compare-t$temperature" 560 -m dflash2.benchmarks.acceptance --device cuda --no-fusion \
+      --drafter drafters/SmolLM2-135M-Instruct-DFlash2 --drafter "$CANDIDATE" --task mtbench,humaneval,math \
+      --skip 0,100,0 --max-new-tokens 256 --temperature "$temperature" --out "$S/compare-t$temperature.json" &
+  done
+  wait
+  python3 -m dflash2.benchmarks.acceptance --table "$S"/compare-t*.json | tee "$S/compare-table.md"
   ;;
 round-ratio)  # one GPU, no target (a staging call): the fused round against the fused 16-token forward, 135M and 8B
   step round-ratio 560 -m dflash2.lab.round_profile --shape smollm2-135m,qwen3-8b --compile --parts round \
