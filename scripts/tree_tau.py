@@ -2,7 +2,8 @@
 
     python scripts/tree_tau.py TASK SKIP PROMPTS NEW_TOKENS NODES[,NODES...] [WIDTH[,WIDTH...]]
 
-TEMPERATURE=1.0 (environment) samples at that temperature instead of greedy (each call seeded by its prompt's index).
+TEMPERATURE=1.0 (environment) samples at that temperature instead of greedy (each call seeded by its prompt's index),
+with no top-k cut; TOP_K=50 samples within the 50 most likely tokens (transformers' default when none is given).
 """
 import os
 import sys
@@ -11,7 +12,7 @@ import time
 import torch
 
 from dflash2.generation import DFlash2Drafter, load_target
-from dflash2.pairs import DEFAULT_DRAFTER
+from dflash2.pairs import DEFAULT_DRAFTER, sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
 torch.set_num_threads(1)
@@ -21,7 +22,9 @@ drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 configs = [int(x) for x in sys.argv[5].split(",")]
 temperature = float(os.environ.get("TEMPERATURE", 0))
-sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+sampling = sampling_kwargs(temperature)
+if temperature and os.environ.get("TOP_K"):
+    sampling["top_k"] = int(os.environ["TOP_K"])
 for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [drafter.config.tree_width]):
     drafter.config.tree_width = w
     drafter.release()  # runners are built with the width they found: build them again with this one
@@ -35,4 +38,5 @@ for w in ([int(x) for x in sys.argv[6].split(",")] if len(sys.argv) > 6 else [dr
                             tree_nodes=nodes, **sampling)
             tokens += drafter.last_stats.completion_tokens
             forwards += drafter.last_stats.target_forwards
-        print(f"{task} T {temperature} width {w} nodes {nodes}: tau {tokens/forwards:.3f} ({time.time()-t0:.0f}s)", flush=True)
+        print(f"{task} T {temperature} top-k {sampling.get('top_k')} width {w} nodes {nodes}: "
+              f"tau {tokens / forwards:.3f} ({time.time() - t0:.0f}s)", flush=True)
