@@ -149,8 +149,8 @@ def category_table(runs: list[dict]) -> str:
     rows: dict[str, list] = {}
     overall: dict[str, list] = {}  # the mean over every task's categories, for runs of several tasks
     for column, run in enumerate(runs):
-        every = [row["tau"] for entry in run["tasks"].values() for row in entry["by_category"].values()]
         if len(run["tasks"]) > 1:
+            every = [row["tau"] for entry in run["tasks"].values() for row in entry["by_category"].values()]
             overall.setdefault(f"every task: mean of its {len(every)} categories", [None] * len(runs))[column] = (
                 round(statistics.mean(every), 3))
         for task, entry in run["tasks"].items():
