@@ -167,11 +167,11 @@ def category_table(runs: list[dict]) -> str:
 
 
 def top_k_label(run: dict) -> str:
-    """A sampled run's top-k cut, when it had one: reports written before `top_k` was recorded sampled with
-    transformers' default top-k of 50."""
+    """A sampled run's top-k cut, when it had one. Reports written before `top_k` was recorded sampled with none: they
+    left top_k unset, and the own loop did not apply transformers' default cut then."""
     if not run["temperature"]:
         return ""
-    top_k = run.get("top_k", 50)
+    top_k = run.get("top_k", 0)
     return f", top-k {top_k}" if top_k else ""
 
 

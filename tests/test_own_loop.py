@@ -487,6 +487,25 @@ def test_speculative_accept_matches_naive_loop():
         assert (int(accepted), int(next_token)) == want
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["own loop", "assisted loop"])
+def test_sampling_settings_left_unset_take_transformers_defaults(static):
+    """A sampling call that leaves top_k unset samples with transformers' global default cut, as plain `generate`
+    does: the same seeded tokens as passing that default, other tokens than passing no cut."""
+    target, drafter = sampling_case(vocab=96)  # a wide, flat target: the default cut removes tokens of real mass
+    default_top_k = target._prepare_generation_config(None, do_sample=True)[0].top_k
+    assert 0 < default_top_k < 96
+
+    def sample(**settings):
+        torch.manual_seed(0)
+        return target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, do_sample=True, max_new_tokens=24,
+                               eos_token_id=None, **({"cache_implementation": "static"} if static else {}),
+                               **settings)[0].tolist()
+
+    unset = sample()
+    assert unset == sample(top_k=default_top_k)
+    assert unset != sample(top_k=0)
+
+
 @pytest.mark.parametrize("settings", [dict(temperature=1.0),
                                       pytest.param(dict(temperature=0.7, top_p=0.85), marks=pytest.mark.slow)])
 def test_static_sampling_reproduces_the_target_distribution(settings):

@@ -8,7 +8,6 @@ After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, 
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 
@@ -142,8 +141,10 @@ def _split_generate_call(target, args, kwargs):
     compile_flag = kwargs.pop("compile", None)
     for ignored in ("cache_implementation", "use_cache"):
         kwargs.pop(ignored, None)
-    config = copy.deepcopy(kwargs.pop("generation_config", None) or target.generation_config)
-    unknown = config.update(**kwargs)
+    # transformers' own preparation: the call's settings over the model's generation config over transformers' global
+    # defaults, so that the own loop samples from what plain `generate` samples from (top_k=50 where a sampling call
+    # leaves top_k unset)
+    config, unknown = target._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
     if unknown:
         raise ValueError(f"DFlash 2's own loop does not take {sorted(unknown)}; drop them (or use one prompt without "
                          "cache_implementation='static' for transformers' assisted loop).")
