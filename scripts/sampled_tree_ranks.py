@@ -6,6 +6,13 @@
 Runs sampled generation (T = 1, top-p 1) with a wide sampled tree (NODES, default 64) and counts, at every node a
 round's walk reached, how its children's tests came out by rank: the hazard h_r (the r-th child accepted after the
 earlier ones were rejected) and a_r = h_r * prod_{i<r} (1 - h_i), the chance that the r-th child is the accepted one.
+
+Then, by depth on the walk (every node with children a walk reached is the context of a true sample of the target): how often one
+of its children was accepted; the target's probability mass on the K candidates of the row below it (coverage: no
+verification of drafts among those candidates accepts more often, since every accepted token is one of them); the
+overlap sum_j min(p_j, q_j) of the target's and the drafter's proposal over them (one draft's acceptance); and the
+target's largest probability there. At T = 1 these say how much of the round's loss lies in the verification and
+how much in the drafter's candidates.
 """
 import sys
 
@@ -21,16 +28,23 @@ task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.ar
 nodes = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 tested = torch.zeros(64)
 taken = torch.zeros(64)
+by_depth = torch.zeros(16, 5)  # per depth: nodes reached, a child accepted, coverage, overlap, largest probability
 original = round_core.speculative_accept_tree
 
 
 def counting(sampled, shape, *args):
     accepted, next_token, path = original(sampled, shape, *args)
     children = shape.children.tolist()
+    target_probs = args[0]
+    p = target_probs.gather(2, sampled.candidates[:, shape.below])  # [b, N, K]: p at the candidates below each node
+    overlap = torch.minimum(p, sampled.proposal).sum(-1)  # [b, N]
     for row in range(path.shape[0]):
         nodes_on_path = path[row, : int(accepted[row]) + 1].tolist()
         for depth, node in enumerate(nodes_on_path):
             kids = [c for c in children[node] if c >= 0]
+            if kids:  # a leaf of the shape has no children to accept
+                by_depth[depth] += torch.tensor([1.0, float(depth < int(accepted[row])), p[row, node].sum(),
+                                                 overlap[row, node], target_probs[row, node].max()])
             chosen = nodes_on_path[depth + 1] if depth + 1 < len(nodes_on_path) else None
             for rank, child in enumerate(kids):
                 tested[rank] += 1
@@ -56,3 +70,8 @@ for rank in range(16):
     hazard = float(taken[rank] / tested[rank])
     print(f"rank {rank}: tested {int(tested[rank])}, hazard {hazard:.3f}, a_r {survive * hazard:.4f}")
     survive *= 1 - hazard
+print("depth  nodes  child accepted  coverage  overlap  p max")
+for depth in range(16):
+    count, *sums = by_depth[depth].tolist()
+    if count:
+        print(f"{depth:5d}  {int(count):5d}  " + "  ".join(f"{x / count:.3f}" for x in sums))

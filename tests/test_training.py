@@ -498,3 +498,29 @@ def test_training_with_soft_labels_lowers_the_loss(tmp_path):
     history = train(drafter, target, data, config, tmp_path, progress=False, log=lambda line: None)
     losses = [h["loss"] for h in history if "loss" in h]
     assert all(map(math.isfinite, losses)) and losses[-1] < 0.7 * losses[0]
+
+
+def test_average_of_two_drafters_is_their_weighted_mean_and_refuses_other_configs(tmp_path):
+    """`python -m dflash2.training.average`: every weight of the written drafter is w x second + (1 - w) x first;
+    drafters of another config are refused by name, and nothing is written."""
+    from dflash2.generation import DFlash2Drafter, export_drafter
+    from dflash2.training import average
+
+    target = tiny_target("llama")
+    first, second = tiny_drafter(target, seed=1), tiny_drafter(target, seed=2)
+    export_drafter(first, tmp_path / "first")
+    export_drafter(second, tmp_path / "second")
+    average.main([str(tmp_path / "first"), str(tmp_path / "second"), "--weight", "0.25", "--dtype", "float32",
+                  "--out", str(tmp_path / "soup")])
+    soup = DFlash2Drafter.from_pretrained(tmp_path / "soup", dtype=torch.float32).state_dict()
+    mine, theirs = first.state_dict(), second.state_dict()
+    assert soup.keys() == theirs.keys()
+    moved = 0
+    for name, weight in soup.items():
+        torch.testing.assert_close(weight, 0.25 * theirs[name].float() + 0.75 * mine[name].float())
+        moved += not torch.equal(mine[name], theirs[name])
+    assert moved > 0, "the two drafters were equal: the test would not test averaging"
+    export_drafter(tiny_drafter(target, seed=2, selector_top_k=4), tmp_path / "other")
+    with pytest.raises(ValueError, match="selector_top_k"):
+        average.main([str(tmp_path / "first"), str(tmp_path / "other"), "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
