@@ -166,6 +166,7 @@ compare)  # one GPU: the shipped drafter against CANDIDATE (a drafter folder) on
           # throughout, so no switch to the fused round lands at another prompt in each drafter's run)
   [ -e /tmp/target/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "target not staged"; exit 3; }
   [ -e "${CANDIDATE:-}/config.json" ] || { echo "CANDIDATE=<drafter folder> is needed"; exit 2; }
+  [ -e .carry/eval/question.jsonl ] || { echo "the evaluation prompts are missing: carry .carry/eval"; exit 2; }
   for temperature in 0 1; do
     step "compare-t$temperature" 560 -m dflash2.benchmarks.acceptance --device cuda --no-fusion \
       --drafter drafters/SmolLM2-135M-Instruct-DFlash2 --drafter "$CANDIDATE" --task mtbench,humaneval,math \

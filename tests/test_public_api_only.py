@@ -13,6 +13,8 @@ ALLOWED = {
     "_attn_implementation": "transformers' config field naming the attention kernel (no public setter)",
     "_from_config": "transformers' constructor from a config without loading weights",
     "_get_logits_processor": "transformers' own processors: the reference a sampling test compares against",
+    "_prepare_generation_config": "transformers' own filling of the settings a generate call leaves unset: the "
+                                  "reference the own loop's settings are tested against",
     "_actions": "argparse's list of a parser's options: the help test reads every option",
     "_get_help_string": "argparse's formatter hook the CLI overrides, called by its test",
     "_dynamo": "torch's compiler package",
