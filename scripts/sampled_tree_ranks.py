@@ -7,8 +7,8 @@ Runs sampled generation (T = 1, top-p 1) with a wide sampled tree (NODES, defaul
 round's walk reached, how its children's tests came out by rank: the hazard h_r (the r-th child accepted after the
 earlier ones were rejected) and a_r = h_r * prod_{i<r} (1 - h_i), the chance that the r-th child is the accepted one.
 
-Then, by depth on the walk (every node with children a walk reached is the context of a true sample of the target): how often one
-of its children was accepted; the target's probability mass on the K candidates of the row below it (coverage: no
+Then, by depth on the walk (every node with children that a walk reached, the context of a true sample of the
+target): how often one of its children was accepted; the target's probability mass on the K candidates of the row below it (coverage: no
 verification of drafts among those candidates accepts more often, since every accepted token is one of them); the
 overlap sum_j min(p_j, q_j) of the target's and the drafter's proposal over them (one draft's acceptance); and the
 target's largest probability there. At T = 1 these say how much of the round's loss lies in the verification and
@@ -32,10 +32,9 @@ by_depth = torch.zeros(16, 5)  # per depth: nodes reached, a child accepted, cov
 original = round_core.speculative_accept_tree
 
 
-def counting(sampled, shape, *args):
-    accepted, next_token, path = original(sampled, shape, *args)
+def counting(sampled, shape, target_probs, *args):
+    accepted, next_token, path = original(sampled, shape, target_probs, *args)
     children = shape.children.tolist()
-    target_probs = args[0]
     p = target_probs.gather(2, sampled.candidates[:, shape.below])  # [b, N, K]: p at the candidates below each node
     overlap = torch.minimum(p, sampled.proposal).sum(-1)  # [b, N]
     for row in range(path.shape[0]):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dflash2.pairs import share
+
 # config fields two drafters may differ in and still average: bookkeeping of the files, not the model
 IGNORED_CONFIG_FIELDS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "auto_map"}
 
@@ -25,8 +27,6 @@ def average_drafters(first, second, weight: float):
     in fp32. One clear error when the two configs or weight sets differ."""
     from dflash2.generation import DFlash2Drafter
 
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"--weight {weight}: the share of SECOND, between 0 and 1.")
     a = DFlash2Drafter.from_pretrained(first, dtype=torch.float32)
     b = DFlash2Drafter.from_pretrained(second, dtype=torch.float32)
     config_a, config_b = a.config.to_dict(), b.config.to_dict()
@@ -53,7 +53,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("first", help="drafter folder (or Hub id): the starting point")
     parser.add_argument("second", help="drafter folder (or Hub id) of the same config, e.g. FIRST trained further")
-    parser.add_argument("--weight", type=float, default=0.5, help="SECOND's share (default 0.5)")
+    parser.add_argument("--weight", type=share, default=0.5, help="SECOND's share, 0 to 1 (default 0.5)")
     parser.add_argument("--out", required=True, help="folder to write the averaged drafter to")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of the written weights (default bfloat16, as training exports them)")
