@@ -206,6 +206,8 @@ def main(argv=None):
         if any(is_dflash2(method) for method in selected) and settle(drafter, lambda: None):
             warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)  # switch to the fused
         results["steady_warm_up_calls"] = warmed
+        if "dflash2" in selected:  # `round_kind` above is the round after the first call, before any switch
+            results["steady_round_kind"] = round_kind(drafter, 1)
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
         agree = 0
@@ -484,7 +486,8 @@ def merge(ours: dict, plain: dict) -> dict:
     merged = {"settings": {"dflash2": ours["settings"], "plain": plain["settings"]},
               "cold_start": {**ours.get("cold_start", {}), **{k: v for k, v in plain.get("cold_start", {}).items()
                                                               if k != "order"}},
-              "round_kind": ours.get("round_kind"), "round": ours.get("round"), "steady": {}, "sweep": {},
+              "round_kind": ours.get("round_kind"), "steady_round_kind": ours.get("steady_round_kind"),
+              "round": ours.get("round"), "steady": {}, "sweep": {},
               "batches": {}}
     for task, entry in ours.get("steady", {}).items():
         if task not in plain.get("steady", {}):

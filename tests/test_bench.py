@@ -231,6 +231,47 @@ def test_speed_times_sampling_when_asked_and_refuses_the_greedy_only_baseline(mo
     assert report["settings"]["sampling"]["temperature"] == 0.8
 
 
+def test_speed_reports_the_round_its_steady_state_timed(monkeypatch):
+    """The default loop switches to its fused round when the background build is in: the report names the round the
+    steady state ran (after the switch), not only the one the first call had."""
+    import types
+
+    import torch
+
+    from dflash2.benchmarks import speed
+
+    state = {"kind": "graph (eager kernels)", "building": True}
+
+    def wait_for_fusion():
+        built, state["building"] = state["building"], False
+        if built:
+            state["kind"] = "graph (fused ahead of time)"
+        return built
+
+    drafter = types.SimpleNamespace(
+        device=torch.device("cpu"), dtype=torch.float32, config=types.SimpleNamespace(block_size=16),
+        last_stats=types.SimpleNamespace(target_forwards=2), wait_for_fusion=wait_for_fusion,
+        round_kind=lambda batch: state["kind"],
+        round_runners=lambda batch: [types.SimpleNamespace(kind=state["kind"])])
+    tokenizer = types.SimpleNamespace(eos_token_id=0)
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
+    monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
+    monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
+    monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [1, 2, 3])
+    kinds_timed = []
+
+    def timed(target, ids, device, **kwargs):
+        kinds_timed.append(state["kind"])
+        return torch.cat([ids, torch.ones(1, 4, dtype=ids.dtype)], dim=1), 0.01
+
+    monkeypatch.setattr(speed, "timed", timed)
+    report = speed.main(["--methods", "dflash2", "--sections", "steady", "--tasks", "mtbench", "--num-prompts", "2",
+                         "--device", "cpu"])
+    assert report["round_kind"] == "graph (eager kernels)"  # after the first call, before the build was in
+    assert report["steady_round_kind"] == "graph (fused ahead of time)" == kinds_timed[-1]
+    assert report["steady"]["mtbench"]["dflash2"]["tau"] == 2.0  # 4 tokens over 2 forwards per prompt
+
+
 def test_speed_settings_change_runs_each_setting_twice_with_the_same_noise():
     """A new sampling setting's first call against its second: both seeded alike, EOS ignored, per-round times."""
     import types
