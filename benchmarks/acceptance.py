@@ -152,11 +152,11 @@ def category_table(runs: list[dict]) -> str:
         if len(run["tasks"]) > 1:
             every = [row["tau"] for entry in run["tasks"].values() for row in entry["by_category"].values()]
             overall.setdefault(f"every task: mean of its {len(every)} categories", [None] * len(runs))[column] = (
-                round(statistics.mean(every), 3))
+                statistics.mean(every))  # rounded once, when printed (2.0348 must not print as 2.035 -> 2.04)
         for task, entry in run["tasks"].items():
             cells = {name: row["tau"] for name, row in entry["by_category"].items()}
             if len(cells) > 1:
-                cells[f"{task}: mean of its {len(cells)} categories"] = round(statistics.mean(cells.values()), 3)
+                cells[f"{task}: mean of its {len(cells)} categories"] = statistics.mean(cells.values())
             cells[f"{task}: all {entry['prompts']} prompts from {entry['skip']}"] = entry["tau"]
             for name, tau in cells.items():
                 rows.setdefault(name, [None] * len(runs))[column] = tau

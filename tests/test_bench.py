@@ -125,6 +125,14 @@ def test_acceptance_tau_by_category_and_its_table():
     assert lines[-1] == "| every task: mean of its 3 categories | 2.50 |  |"  # (2 + 4 + 1.5) / 3; e has one task
     trees = [{**other, "tree_nodes": 16}, {**other, "tree_nodes": 0}]  # reports that record their rounds
     assert category_table(trees).splitlines()[0] == "| τ | e, T 1, tree 16 | e, T 1, path |"
+    # means are rounded once, when printed: these average 2.0348 (rounded to 2.035 first it printed 2.04)
+    taus = [1.728, 1.734, 1.734, 2.38, 2.344, 1.947, 1.86, 1.726, 2.634, 2.261]
+    many = {"drafter": "d", "temperature": 1.0, "tasks": {
+        "mtbench": {"prompts": 8, "skip": 0, "tau": 2.0,
+                    "by_category": {str(i): {"prompts": 1, "tau": t} for i, t in enumerate(taus[:8])}},
+        "humaneval": {"prompts": 1, "skip": 100, "tau": taus[8], "by_category": {"code": {"prompts": 1, "tau": taus[8]}}},
+        "math": {"prompts": 1, "skip": 0, "tau": taus[9], "by_category": {"math": {"prompts": 1, "tau": taus[9]}}}}}
+    assert category_table([many]).splitlines()[-1] == "| every task: mean of its 10 categories | 2.03 |"
 
 
 def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
