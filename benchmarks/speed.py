@@ -206,7 +206,7 @@ def main(argv=None):
         if any(is_dflash2(method) for method in selected) and settle(drafter, lambda: None):
             warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)  # switch to the fused
         results["steady_warm_up_calls"] = warmed
-        if "dflash2" in selected:  # `round_kind` above is the round after the first call, before any switch
+        if any(is_dflash2(method) for method in selected):  # `round_kind` above: the first call's, before any switch
             results["steady_round_kind"] = round_kind(drafter, 1)
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
