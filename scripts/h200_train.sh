@@ -27,7 +27,7 @@
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
 # runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder to start
-# from instead of scratch), RETURN_DRAFTER (1; 0 returns the run's logs and config without its weights: $OUT takes back
+# from instead of scratch, with its own candidates per position; from scratch 16), RETURN_DRAFTER (1; 0 returns the run's logs and config without its weights: $OUT takes back
 # 64 MiB, two block-16 drafters' worth).
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
 # <run folder name>.tar.* parts of <= 15 MB: here, `cat run2.tar.* | tar xf -` gives drafter/ with train_log.jsonl,
@@ -113,6 +113,7 @@ train)
   need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
   run="${RUN:-/tmp/run$version}"; name="$(basename "$run")"  # RUN=/tmp/run2-b8: a second run of one version
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
+  candidates=(--selector-top-k 16); [ ${#init[@]} -gt 0 ] && candidates=()  # from INIT: the folder's own
   unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
   epochs=(); [ -n "${EPOCHS:-}" ] && epochs=(--epochs "$EPOCHS")
   budget=(--time-budget "${BUDGET:-$job_s}"); [ -n "${STEPS:-}" ] && [ -z "${BUDGET:-}" ] && budget=()  # by steps
@@ -124,7 +125,7 @@ train)
   SECONDS=0
   torchrun -m dflash2.cli train "${TARGET[@]}" --prompts "${PROMPTS:-.carry/prompts.jsonl.gz}" --data "$DATA" \
     --out "$run" --device "$DEVICE" --dflash-version "$version" "${init[@]}" "${resume[@]}" \
-    --layers "${LAYERS:-3}" --intermediate-size 1280 --selector-rank 16 --selector-top-k 16 \
+    --layers "${LAYERS:-3}" --intermediate-size 1280 --selector-rank 16 "${candidates[@]}" \
     --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
     --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps "${STEPS:-1000000}" \
     "${budget[@]}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \

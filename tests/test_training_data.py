@@ -385,8 +385,8 @@ def test_train_options_reach_the_trainer(tmp_path, monkeypatch):
 
 
 def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, monkeypatch):
-    """`--init-from` keeps the folder's block size unless --block-size names another; the weights are the folder's
-    either way (no weight depends on the block size)."""
+    """`--init-from` keeps the folder's block size and candidates per position unless --block-size or
+    --selector-top-k names another; the weights are the folder's either way (no weight depends on either)."""
     from dflash2.generation import export_drafter, load_target
     from dflash2.training import recipe, trainer
 
@@ -397,17 +397,19 @@ def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, 
     (tmp_path / "data.jsonl").write_text("".join(
         json.dumps({"input_ids": list(range(4, 30)), "prompt_length": 5}) + "\n" for _ in range(6)))
     target, _ = load_target(target=str(tmp_path / "target"))
-    start = tiny_drafter(target, block_size=4)
+    start = tiny_drafter(target, block_size=4, selector_top_k=6)
     export_drafter(start, tmp_path / "start")
     seen = []
     monkeypatch.setattr(trainer, "train", lambda drafter, *a, **k: seen.append(
-        (drafter.config.block_size, {n: w.clone() for n, w in drafter.state_dict().items()})) or [])
+        ((drafter.config.block_size, drafter.config.selector_top_k),
+         {n: w.clone() for n, w in drafter.state_dict().items()})) or [])
     common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--data",
               str(tmp_path / "data.jsonl"), "--held-out", "2", "--device", "cpu",
               "--init-from", str(tmp_path / "start")]
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "same")]))
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "longer"), "--block-size", "16"]))
-    assert [block_size for block_size, _ in seen] == [4, 16]
+    recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "wider"), "--selector-top-k", "3"]))
+    assert [sizes for sizes, _ in seen] == [(4, 6), (16, 6), (4, 3)]
     for _, theirs in seen:
         for name, weight in start.state_dict().items():
             torch.testing.assert_close(theirs[name], weight.float(), rtol=0, atol=0)

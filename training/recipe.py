@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="tokens per drafted block (default: the --init-from drafter's, else 8); with --init-from "
                              "another size continues the same weights at this block size")
     parser.add_argument("--selector-rank", type=int, default=32)
-    parser.add_argument("--selector-top-k", type=int, default=16)
+    parser.add_argument("--selector-top-k", type=int, default=None,
+                        help="candidates per block position the selector is trained over and walks through (default: "
+                             "the --init-from drafter's, else 16)")
     parser.add_argument("--num-taps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--epochs", type=float, default=None,
@@ -166,7 +168,7 @@ def run(args) -> Path:
         block_size=args.block_size or 8,
         dflash_version=args.dflash_version,
         selector_rank=args.selector_rank,
-        selector_top_k=args.selector_top_k,
+        selector_top_k=args.selector_top_k or 16,
         target_layer_ids=default_target_layer_ids(text.num_hidden_layers, args.num_taps),
         mask_token_id=mask_token_id,
         target_name_or_path=args.target,
@@ -174,9 +176,12 @@ def run(args) -> Path:
     )
     torch.manual_seed(args.seed)  # the same initialisation in every process
     if args.init_from:
-        resized = {"block_size": args.block_size} if args.block_size else {}  # no weight depends on it
-        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32, **resized).bind_target(target)
-        log(json.dumps({"init_from": args.init_from, "block_size": drafter.config.block_size}))
+        # no weight depends on the block size or on the candidates per position: either may change
+        changed = {name: value for name, value in (("block_size", args.block_size),
+                                                    ("selector_top_k", args.selector_top_k)) if value}
+        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32, **changed).bind_target(target)
+        log(json.dumps({"init_from": args.init_from, "block_size": drafter.config.block_size,
+                        "selector_top_k": drafter.config.selector_top_k}))
     else:
         drafter = DFlash2DraftModel(config).bind_target(target)
     train_config = TrainConfig(anchors_per_sequence=args.anchors, unique_anchors=args.unique_anchors,
