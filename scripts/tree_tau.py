@@ -5,6 +5,8 @@
 TEMPERATURE=1.0 (environment) samples at that temperature instead of greedy (each call seeded by its prompt's index),
 with no top-k cut; TOP_K=50 samples within the 50 most likely tokens (transformers' default when none is given).
 CANDIDATES=K loads the drafter with selector_top_k=K (the candidates kept per block position; its config's otherwise).
+PROPOSAL_SCALE=C draws a sampled tree's children from softmax(pairs / (T * C)) instead of softmax(pairs / T) (C < 1
+sharper, C > 1 flatter; the acceptance uses the same proposal, so the output stays exact).
 """
 import os
 import sys
@@ -17,9 +19,16 @@ from dflash2.pairs import DEFAULT_DRAFTER, sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
 torch.set_num_threads(1)
+if os.environ.get("PROPOSAL_SCALE"):
+    import dflash2.generation.round_core as round_core
+
+    scale, unscaled = float(os.environ["PROPOSAL_SCALE"]), round_core.sample_tree
+    round_core.sample_tree = lambda anchor, candidates, pairs, shape, temperature, gumbel: unscaled(
+        anchor, candidates, pairs, shape, temperature * scale, gumbel)
 candidates = {"selector_top_k": int(os.environ["CANDIDATES"])} if os.environ.get("CANDIDATES") else {}
 drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32, **candidates)
-print("selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width, flush=True)
+print("selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width,
+      "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), flush=True)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
