@@ -23,8 +23,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# transformers 5.24 renamed the outputs' `past_key_values` to `cache` (the old name still works, with a warning)
-_OUTPUT_CACHE = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+# The name of a cache in the installed transformers' outputs and generate kwargs: transformers 5.24 renamed
+# `past_key_values` to `cache` (the old name still works there, with a deprecation warning)
+CACHE_NAME = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 from .configuration_dflash2 import DFlash2Config
 
@@ -521,7 +522,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, position_embeddings, mask, past_key_values, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{_OUTPUT_CACHE: past_key_values})
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: past_key_values})
 
     def _attention_mask(self, attention_mask, position_ids, cache, num_context, num_rows):
         """The masks the layers get: None when every row may see every key, else one boolean mask [b, 1, rows, keys]
@@ -690,4 +691,4 @@ def new_draft_cache() -> DynamicCache:
     return DynamicCache()
 
 
-__all__ = ["DFlash2Config", "DFlash2DraftModel", "DFlash2PreTrainedModel"]
+__all__ = ["CACHE_NAME", "DFlash2Config", "DFlash2DraftModel", "DFlash2PreTrainedModel"]

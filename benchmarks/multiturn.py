@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from dflash2.modeling_dflash2 import CACHE_NAME
+
 FOLLOW_UP = "Thank you. Now summarise our whole conversation in three sentences."
 LOOPS = {"assisted": {}, "own_loop": {"cache_implementation": "static"}}
 
@@ -73,8 +75,8 @@ def run_multiturn(target, tokenizer, drafter, history_tokens: int = 4096, max_ne
 
         def cache_of_turn_a():
             if loop == "assisted":
-                return copy.deepcopy(out_a.past_key_values)
-            return turn_a()[0].past_key_values  # the own loop's cache continues once on its buffers
+                return copy.deepcopy(getattr(out_a, CACHE_NAME))
+            return getattr(turn_a()[0], CACHE_NAME)  # the own loop's cache continues once on its buffers
 
         row = {"turn_a_s": round(seconds_a, 4), "follow_up_tokens": ids_b.shape[1]}
         answers = {}
@@ -82,7 +84,7 @@ def run_multiturn(target, tokenizer, drafter, history_tokens: int = 4096, max_ne
             firsts, turns, prefill = [], [], []
             for _ in range(repeats):
                 for new, times in ((1, firsts), (max_new_tokens, turns)):
-                    extra = {"past_key_values": cache_of_turn_a()} if way == "cache" else {}
+                    extra = {CACHE_NAME: cache_of_turn_a()} if way == "cache" else {}
                     out, seconds, widths = call(target, ids_b, device, max_new_tokens=new, **settings, **extra)
                     times.append(seconds)
                     prefill = widths if new == 1 else prefill  # one new token: the prefill's forwards only

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import EOS, assert_follows, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
+from dflash2.modeling_dflash2 import CACHE_NAME
 from dflash2.training.decoding import left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,3 +367,25 @@ def test_a_later_turn_resumes_on_its_own_buffers_when_smaller_ones_would_fit():
     assert out.sequences[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())
     assert forwards.widths[0] < conversation.shape[1]  # resumed in the 512 core, not encoded anew in the 256 one
     assert drafter.round_runners()[-1].core.capacity == 512
+
+
+@pytest.mark.parametrize("loop", ["assisted", "static"])
+def test_a_conversation_under_the_installed_cache_name_logs_no_deprecation(loop):
+    """transformers 5.24 renamed a cache in generate's kwargs and outputs from `past_key_values` to `cache`. Passed and
+    read back under `CACHE_NAME` (the installed version's name), a follow-up turn stays exact, and neither loop uses
+    the old name itself (which logs a deprecation warning there)."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    target = tiny_target("llama")
+    drafter = repeat_anchor_drafts(tiny_drafter(target).attach(target))
+    settings = dict(assistant_model=drafter, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                    return_dict_in_generate=True, **TURNS[loop])
+    first_ids = torch.tensor([user_turns(1)[0][0]])
+    logging.get_logger("transformers").warning_once.cache_clear()  # a message logged once before would hide it
+    with CaptureLogger(logging.get_logger("transformers.utils.generic")) as captured:
+        first = target.generate(first_ids, **settings)
+        conversation = torch.cat([first.sequences, torch.tensor([[7, 8, 9, 10, 11]])], dim=1)
+        out = target.generate(conversation, **{CACHE_NAME: getattr(first, CACHE_NAME)}, **settings)
+    assert "deprecated" not in captured.out, captured.out
+    assert out.sequences[0, conversation.shape[1]:].tolist() == plain_greedy(target, conversation[0].tolist())

@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .background import BackgroundFusion
 from .graphs import RoundRunner
+from .modeling_dflash2 import CACHE_NAME
 from .round_core import RoundCore, check_tree_nodes, columns_per_round, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
@@ -39,8 +40,8 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
                       compile: bool | str | None = None, generator: torch.Generator | None = None,
                       past_key_values=None, tree_nodes: int | None = None):
     """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate, or
-    with `generation_config.return_dict_in_generate` an output whose `past_key_values` (a `LoopCache`) continues the
-    conversation: passed back with the whole conversation's ids, the next turn encodes only what follows.
+    with `generation_config.return_dict_in_generate` an output whose cache (a `LoopCache`, under `CACHE_NAME`: `cache`
+    from transformers 5.24, else `past_key_values`) continues the conversation: passed back with the whole conversation's ids, the next turn encodes only what follows.
     `tree_nodes`: rounds verify a tree of so many nodes (0: a path; None: `drafter.config.tree_nodes`)."""
     batch, length = input_ids.shape
     if attention_mask is None:
@@ -110,7 +111,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     sequences = finish(core, drafter, input_ids[:batch], batch, max_new_tokens, eos, pad)
     if not generation_config.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=LoopCache(core, core.held_tokens(rows)))
+    return GenerateDecoderOnlyOutput(sequences=sequences, **{CACHE_NAME: LoopCache(core, core.held_tokens(rows))})
 
 
 class LoopCache:
