@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .modeling_dflash2 import draft_gumbel, new_draft_cache, tap_target_features
+from .modeling_dflash2 import CACHE_NAME, draft_gumbel, new_draft_cache, tap_target_features
 from .stats import DFlash2Stats
 
 
@@ -196,8 +196,8 @@ def check_layer_count(cache, num_layers: int | None) -> None:
     layers = getattr(cache, "layers", None)
     if num_layers and layers and getattr(cache, "layer_class_to_replicate", None) is None and len(layers) != num_layers:
         raise ValueError(
-            f"The cache passed as past_key_values has {len(layers)} layers and the target {num_layers}: another model "
-            "filled it. Pass the cache this target's generate returned (out.past_key_values), or none.")
+            f"The cache passed as {CACHE_NAME} has {len(layers)} layers and the target {num_layers}: another model "
+            f"filled it. Pass the cache this target's generate returned (out.{CACHE_NAME}), or none.")
 
 
 def crop_to(cache, length: int) -> None:

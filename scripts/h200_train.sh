@@ -26,9 +26,9 @@
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
-# runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder to start
-# from instead of scratch, with its own candidates per position; from scratch 16), RETURN_DRAFTER (1; 0 returns the run's logs and config without its weights: $OUT takes back
-# 64 MiB, two block-16 drafters' worth).
+# runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder
+# to start from instead of scratch, with its own candidates per position; from scratch 16), RETURN_DRAFTER (1; 0
+# returns the run's logs and config without its weights: $OUT takes back 64 MiB, two block-16 drafters' worth).
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
 # <run folder name>.tar.* parts of <= 15 MB: here, `cat run2.tar.* | tar xf -` gives drafter/ with train_log.jsonl,
 # history.json.

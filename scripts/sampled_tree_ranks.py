@@ -11,8 +11,8 @@ Then, by depth on the walk (every node with children that a walk reached, the co
 target): how often one of its children was accepted; the target's probability mass on the K candidates of the row
 below it (coverage: no verification of drafts among those candidates accepts more often, since every accepted token
 is one of them); the overlap sum_j min(p_j, q_j) of the target's and the drafter's proposal over them (one draft's
-acceptance); and the target's largest probability there. At T = 1 these say how much of the round's loss lies in the verification and
-how much in the drafter's candidates.
+acceptance); and the target's largest probability there. At T = 1 these say how much of the round's loss lies in
+the verification and how much in the drafter's candidates.
 """
 import sys
 

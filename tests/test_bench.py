@@ -130,7 +130,8 @@ def test_acceptance_tau_by_category_and_its_table():
     many = {"drafter": "d", "temperature": 1.0, "tasks": {
         "mtbench": {"prompts": 8, "skip": 0, "tau": 2.0,
                     "by_category": {str(i): {"prompts": 1, "tau": t} for i, t in enumerate(taus[:8])}},
-        "humaneval": {"prompts": 1, "skip": 100, "tau": taus[8], "by_category": {"code": {"prompts": 1, "tau": taus[8]}}},
+        "humaneval": {"prompts": 1, "skip": 100, "tau": taus[8],
+                      "by_category": {"code": {"prompts": 1, "tau": taus[8]}}},
         "math": {"prompts": 1, "skip": 0, "tau": taus[9], "by_category": {"math": {"prompts": 1, "tau": taus[9]}}}}}
     assert category_table([many]).splitlines()[-1] == "| every task: mean of its 10 categories | 2.03 |"
 

@@ -41,7 +41,8 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
                       past_key_values=None, tree_nodes: int | None = None):
     """Decode `input_ids` [b, P] (left-padded when b > 1) with the round core. Returns [b, P + new] like generate, or
     with `generation_config.return_dict_in_generate` an output whose cache (a `LoopCache`, under `CACHE_NAME`: `cache`
-    from transformers 5.24, else `past_key_values`) continues the conversation: passed back with the whole conversation's ids, the next turn encodes only what follows.
+    from transformers 5.24, else `past_key_values`) continues the conversation: passed back with the whole
+    conversation's ids, the next turn encodes only what follows.
     `tree_nodes`: rounds verify a tree of so many nodes (0: a path; None: `drafter.config.tree_nodes`)."""
     batch, length = input_ids.shape
     if attention_mask is None:
