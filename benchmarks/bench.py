@@ -1,8 +1,8 @@
 """`dflash2 bench`: every decoding method on the same prompts, machine and run.
 
 Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), the
-plain CUDA-graph loop (`plain-graph`, greedy, with `static`: no `generate`, the step captured as a CUDA graph, no host
-read per token; benchmarks/plain_graph.py), HF prompt lookup, transformers' built-in `speculation_type="dflash"`
+plain CUDA-graph loop (`plain-graph`, with `static`: no `generate`, the step captured as a CUDA graph, no host read
+per token, greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers' built-in `speculation_type="dflash"`
 running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2 (assisted loop; with `static`, its own
 loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau (completion tokens / target
 forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash2.benchmarks.common import round_kind, settle
+from dflash2.generation.sampling import Sampling
 from dflash2.pairs import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -102,7 +103,7 @@ def timed_call(name: str, target, ids, kwargs, device):
 
     out, seconds = timed_plain_graph_generate(target, ids, kwargs["max_new_tokens"],
                                               kwargs.get("eos_token_id", target.generation_config.eos_token_id),
-                                              kwargs["pad_token_id"])
+                                              kwargs["pad_token_id"], sampling=Sampling.from_generate_kwargs(kwargs))
     return out, seconds, out.shape[1] - ids.shape[1]
 
 
@@ -148,7 +149,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     device = target.get_output_embeddings().weight.device
     greedy = temperature == 0
     sampling = sampling_kwargs(temperature, top_p)
-    methods = ["plain"] + (["plain-static"] if static else []) + (["plain-graph"] if static and greedy else [])
+    methods = ["plain"] + (["plain-static", "plain-graph"] if static else [])
     methods += ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
     methods += ["dflash2-fused"] if static and device.type == "cuda" else []  # inductor on a CPU: minutes, no gain

@@ -1,4 +1,4 @@
-"""The expert baseline: plain greedy decoding of a transformers causal LM as a hand-written CUDA-graph loop.
+"""The expert baseline: plain decoding (greedy or sampled) of a transformers causal LM as a hand-written CUDA-graph loop.
 
 gpt-fast style, with no `generate` around it: one static cache (transformers' `StaticCache`), the prompt prefilled
 once, then one-token steps. A step -- the model's forward, the argmax, the token written into a preallocated output
@@ -14,6 +14,13 @@ while the time includes the at most `check_every - 1` wasted steps (DFlash 2's l
 way). A call's prefill empties the cache (`StaticCache.reset`) and runs one eager forward, timed like every method's
 prefill.
 
+Sampling (`sampling=Sampling(do_sample=True, ...)`): the step samples from the temperature / top-k / top-p-warped
+distribution (`generation.sampling.row_warped_logits`, transformers' warpers; at no top-k or top-p cut only the
+temperature divides, as a hand-written loop would) by the Gumbel-max trick: the argmax of the warped logits plus
+standard Gumbel noise is an exact sample. The settings are per-row tensors, so one captured step serves every
+temperature; the noise is drawn into a fixed buffer before each replay (a few small kernels outside the graph, as DFlash
+2's sampled round draws its own), and the first token after the prefill is sampled like `generate`'s.
+
 Buffers. The cache has `capacity` columns, the next power of two of at least 512 that holds prompt + new tokens: a
 step attends over every column (like `generate`'s static cache, which is sized to the request), and one captured
 graph serves every request of a capacity. Rows of a batch must have the same length (no padding mask).
@@ -26,17 +33,19 @@ import time
 
 import torch
 
-from dflash2.generation.sampling import is_any_of
+from dflash2.generation.sampling import Sampling, first_token, is_any_of, row_warped_logits
+from dflash2.modeling_dflash2 import sample_gumbel
 
 MIN_CAPACITY = 512
 CHECK_EVERY = 8  # steps queued between two host reads of the done flags (when there is an EOS)
 
 
 class PlainGraphLoop:
-    """Greedy decoding of `model` for `batch` rows in a static cache of `capacity` columns."""
+    """Decoding of `model` for `batch` rows in a static cache of `capacity` columns: greedy, or sampled with `sampling`
+    (whose cuts, top-k or top-p or none, are fixed per loop; its temperature and cut values are set per call)."""
 
     def __init__(self, model, batch: int, capacity: int, eos_token_ids=(), compile: bool = False,
-                 capture: bool | None = None, check_every: int = CHECK_EVERY):
+                 capture: bool | None = None, check_every: int = CHECK_EVERY, sampling: Sampling | None = None):
         from transformers import StaticCache
 
         from dflash2.modeling_dflash2 import cache_keyword
@@ -51,6 +60,13 @@ class PlainGraphLoop:
         self.output = torch.zeros(batch, capacity, **long)
         self.eos = torch.tensor(sorted(set(eos_token_ids)), **long)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.sampled = sampling is not None and sampling.do_sample
+        self.cuts = self.sampled and has_cuts(sampling)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.temperature = torch.ones(batch, dtype=torch.float32, device=device)  # [b]
+        self.top_k = torch.zeros(batch, **long)  # [b], 0: no cut
+        self.top_p = torch.ones(batch, dtype=torch.float64, device=device)  # [b], 1.0: no cut
+        self.gumbel = torch.zeros(batch, vocab if self.sampled else 1, device=device)  # [b, V]: the next step's noise
         self.capture = single_cuda_device(model) if capture is None else capture
         self.step_fn = torch.compile(self.step, mode="default", dynamic=False) if compile else self.step
         self.graph = None  # captured at the first call, once a prefill has allocated the cache
@@ -61,52 +77,83 @@ class PlainGraphLoop:
     def step(self) -> None:
         """One token for every row: forward, argmax, into `output`; everything stays on the device."""
         logits = self.model(input_ids=self.token, use_cache=True, **self.cache).logits
-        token = logits[:, -1].argmax(-1)
+        token = self.choose(logits[:, -1])
         self.output.index_copy_(1, self.length, token.view(-1, 1))
         self.token.copy_(token.view(-1, 1))
         self.done.logical_or_(is_any_of(token, self.eos))
         self.length.add_(1)
 
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token per row from logits [b, V]: the argmax, or a sample (Gumbel-max over the warped logits)."""
+        if not self.sampled:
+            return logits.argmax(-1)
+        if self.cuts:
+            warped = row_warped_logits(logits, self.temperature, self.top_k, self.top_p)
+        else:
+            warped = logits.float() / self.temperature.view(-1, 1)
+        return (warped + self.gumbel).argmax(-1)
+
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> None:
+    def prefill(self, input_ids: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """The prompt [b, P] into the emptied cache (one eager forward) and each row's first token."""
         for cache in self.cache.values():
             cache.reset()
         logits = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1, **self.cache).logits
-        token = logits[:, -1].argmax(-1)
+        token = first_token(logits[:, -1], self.sampled, self.temperature, self.top_k, self.top_p, generator)
         self.output[:, 0] = token
         self.token.copy_(token.view(-1, 1))
         self.done.copy_(torch.isin(token, self.eos))
         self.length.fill_(1)
 
-    def run_step(self) -> None:
+    def run_step(self, generator: torch.Generator | None = None) -> None:
+        if self.sampled:
+            sample_gumbel(self.gumbel.shape, self.device, generator, out=self.gumbel)
         if self.graph is not None:
             self.graph()
         else:
             self.step_fn()
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, pad_token_id: int = 0) -> torch.Tensor:
-        """Greedy continuation of `input_ids` [b, P] (no padding): [b, P + new], like `generate(do_sample=False)`."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, pad_token_id: int = 0,
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The continuation of `input_ids` [b, P] (no padding): [b, P + new], like `generate` with `sampling` (greedy
+        when None; a sampled loop needs the sampling setting it was built for, with any temperature and cut values)."""
         from dflash2.generation.graphs import CapturedGraph
 
         batch, length = input_ids.shape
         if batch != self.batch or length + max_new_tokens + 2 > self.capacity:  # 2: the capture's warm-up steps
             raise ValueError(f"{batch} rows of {length} + {max_new_tokens} new tokens do not fit this loop "
                              f"({self.batch} rows, {self.capacity} columns); use plain_graph_generate.")
+        sampled = sampling is not None and sampling.do_sample
+        if sampled != self.sampled or (sampled and has_cuts(sampling) != self.cuts):
+            raise ValueError(f"this loop was built for {self.describe()} and cannot decode with {sampling}; use "
+                             "plain_graph_generate, which keeps a loop per kind of setting.")
+        if sampled:
+            self.temperature.fill_(sampling.temperature)
+            self.top_k.fill_(sampling.top_k)
+            self.top_p.fill_(sampling.top_p)
         if self.capture and self.graph is None:
             self.prefill(input_ids)  # allocates the cache; the warm-up steps' state is redone by the prefill below
             self.graph = CapturedGraph(self.step_fn)
-        self.prefill(input_ids)
+        self.prefill(input_ids, generator)
         check = bool(self.eos.numel())
         emitted, finished = 1, check and bool(self.done.all())
         while emitted < max_new_tokens and not finished:
             steps = min(self.check_every if check else max_new_tokens, max_new_tokens - emitted)
             for _ in range(steps):
-                self.run_step()
+                self.run_step(generator)
             emitted += steps
             finished = check and bool(self.done.all())  # the one host read per chunk of steps
         return torch.cat([input_ids, cut_at_eos(self.output[:, :emitted], self.eos, pad_token_id).to(
             input_ids.device)], dim=1)
+
+    def describe(self) -> str:
+        return ("sampling with top-k or top-p cuts" if self.cuts else "sampling with a temperature only") if (
+            self.sampled) else "greedy decoding"
+
+
+def has_cuts(sampling: Sampling) -> bool:
+    """Whether a sampling setting cuts the distribution (top-k or top-p): a loop is built for one or the other."""
+    return bool(sampling.top_k) or sampling.top_p < 1.0
 
 
 def cut_at_eos(tokens: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
@@ -129,29 +176,35 @@ def capacity_for(needed: int) -> int:
 
 
 def plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-                         pad_token_id: int | None = None, compile: bool = False) -> torch.Tensor:
-    """Greedy decoding of `input_ids` [b, P] through the loop for this (model, batch, capacity, EOS, compile), built
-    and captured at its first use and kept on the model's instance dict (`plain_graph_loops`)."""
+                         pad_token_id: int | None = None, compile: bool = False, sampling: Sampling | None = None,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """Decoding of `input_ids` [b, P] (greedy, or sampled with `sampling`) through the loop for this (model, batch,
+    capacity, EOS, compile, kind of sampling), built and captured at its first use and kept on the model's instance
+    dict (`plain_graph_loops`)."""
     eos = () if eos_token_id is None else tuple(eos_token_id if isinstance(eos_token_id, (list, tuple)) else
                                                 [eos_token_id])
     capacity = capacity_for(input_ids.shape[1] + max_new_tokens + 2)
     loops = model.__dict__.setdefault("plain_graph_loops", {})
-    key = (input_ids.shape[0], capacity, tuple(sorted(set(eos))), compile)
+    sampled = sampling is not None and sampling.do_sample
+    kind = ("cuts" if has_cuts(sampling) else "temperature") if sampled else "greedy"
+    key = (input_ids.shape[0], capacity, tuple(sorted(set(eos))), compile, kind)
     if key not in loops:
-        loops[key] = PlainGraphLoop(model, input_ids.shape[0], capacity, eos, compile=compile)
+        loops[key] = PlainGraphLoop(model, input_ids.shape[0], capacity, eos, compile=compile,
+                                    sampling=sampling if sampled else None)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    return loops[key].generate(input_ids, max_new_tokens, pad)
+    return loops[key].generate(input_ids, max_new_tokens, pad, sampling if sampled else None, generator)
 
 
 def timed_plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-                                pad_token_id: int | None = None, compile: bool = False):
+                                pad_token_id: int | None = None, compile: bool = False,
+                                sampling: Sampling | None = None):
     """`plain_graph_generate` timed as a user waits for it: (output [b, P + new], wall seconds, the device synchronised
     before and after)."""
     device = input_ids.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
-    out = plain_graph_generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, compile)
+    out = plain_graph_generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, compile, sampling)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out, time.perf_counter() - started

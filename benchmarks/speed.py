@@ -15,12 +15,12 @@ Reports, in one process on one machine:
   the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
 Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
 verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `plain` (compiled `generate` with a
-static cache) and `plain-graph`, the expert baseline: a plain greedy loop with the step captured as a CUDA graph, no
+static cache) and `plain-graph`, the expert baseline: a plain loop with the step captured as a CUDA graph, no
 `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
 first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
 tau and tokens/s over the path's.
-Greedy by default; `--temperature T` (and `--top-p`) samples in every timed call but the sweep's, with no top-k cut
-(`plain-graph` is greedy only, so it is refused there).
+Greedy by default; `--temperature T` (and `--top-p`) samples in every timed call but the sweep's, with no top-k cut,
+`plain-graph` too (its step samples at the same settings).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -76,6 +76,7 @@ def main(argv=None):
     from dflash2.benchmarks.common import command_line
     from dflash2.pairs import add_model_arguments, load_pair, sampling_kwargs
     from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
+    from dflash2.generation.sampling import Sampling
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,9 +118,6 @@ def main(argv=None):
                              "process (same prompts) into speedups and output agreement, written to --out")
     parser.set_defaults(max_new_tokens=256)
     args = parser.parse_args(argv)
-    if args.temperature > 0 and "plain-graph" in args.methods.split(","):
-        parser.error("--methods plain-graph decodes greedily and cannot time sampling: leave it out of --methods, or "
-                     "time at --temperature 0")
     skips = {"humaneval": args.skip_humaneval, "mtbench": args.skip_mtbench, "math": args.skip_math}
     tasks = args.tasks.split(",")
     if not tasks or any(task not in skips for task in tasks):
@@ -155,13 +153,13 @@ def main(argv=None):
                             "process_start_to_models_loaded_s": round(loaded, 2)}}
 
     def call(method, ids, **extra):
+        own = {} if "do_sample" in extra else sampling  # a call that names its own sampling setting keeps it whole
         if method == "plain-graph":
-            settings = {**common, **extra}
+            settings = {**common, **own, **extra}
             out, seconds = timed_plain_graph_generate(target, ids, settings["max_new_tokens"],
                                                       target.generation_config.eos_token_id, settings["pad_token_id"],
-                                                      args.plain_graph_compile)
+                                                      args.plain_graph_compile, Sampling.from_generate_kwargs(settings))
             return out, seconds, out.shape[1] - ids.shape[1], None
-        own = {} if "do_sample" in extra else sampling  # a call that names its own sampling setting keeps it whole
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common, **own,
                                                      **methods[method], **extra})
         stats = drafter.last_stats if is_dflash2(method) else None
@@ -229,7 +227,7 @@ def main(argv=None):
             entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
             if not sampling["do_sample"]:  # sampled outputs differ between methods by design
                 entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
-        entry.update(against_plain_graph(entry))
+        entry.update(against_plain_graph(entry, compare_outputs=not sampling["do_sample"]))
         entry.update(tree_over_path(entry))
         entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
@@ -298,8 +296,9 @@ def tree_over_path(entry: dict) -> dict:
             "tree_over_path_tokens_per_s": round(tree["tokens_per_s"] / path["tokens_per_s"], 3)}
 
 
-def against_plain_graph(entry: dict) -> dict:
-    """Speedups over the plain CUDA-graph loop, and its agreement with compiled plain generate (same prompts)."""
+def against_plain_graph(entry: dict, compare_outputs: bool = True) -> dict:
+    """Speedups over the plain CUDA-graph loop, and (`compare_outputs`: greedy runs) its agreement with compiled plain
+    generate (same prompts)."""
     if "plain-graph" not in entry:
         return {}
     graph = entry["plain-graph"]
@@ -309,6 +308,7 @@ def against_plain_graph(entry: dict) -> dict:
         extra[name] = round(entry[ours]["tokens_per_s"] / graph["tokens_per_s"], 3)
     if "plain" in entry:
         extra["plain_graph_vs_plain"] = round(graph["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
+    if "plain" in entry and compare_outputs:
         same = sum(a == b for a, b in zip(graph.get("outputs", []), entry["plain"].get("outputs", [])))
         extra["plain_graph_identical_to_plain_bf16"] = f"{same}/{len(graph.get('outputs', []))}"
     return extra
@@ -489,18 +489,20 @@ def merge(ours: dict, plain: dict) -> dict:
               "round_kind": ours.get("round_kind"), "steady_round_kind": ours.get("steady_round_kind"),
               "round": ours.get("round"), "steady": {}, "sweep": {},
               "batches": {}}
+    greedy = not any(report["settings"].get("sampling", {}).get("do_sample") for report in (ours, plain))
     for task, entry in ours.get("steady", {}).items():
         if task not in plain.get("steady", {}):
             continue
         a, b = entry["dflash2"], plain["steady"][task]["plain"]
-        same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
         merged["steady"][task] = {"dflash2": strip(a), "plain": strip(b),
-                                  "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
-                                  "identical_outputs_bf16": f"{same}/{len(a['outputs'])}"}
+                                  "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
+        if greedy:  # sampled outputs differ between methods by design
+            same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
+            merged["steady"][task]["identical_outputs_bf16"] = f"{same}/{len(a['outputs'])}"
         if "plain-graph" in entry:  # run in the DFlash 2 process (`--methods dflash2,plain-graph`)
             merged["steady"][task]["plain-graph"] = strip(entry["plain-graph"])
             merged["steady"][task].update(against_plain_graph({"dflash2": a, "plain": b,
-                                                               "plain-graph": entry["plain-graph"]}))
+                                                               "plain-graph": entry["plain-graph"]}, greedy))
     for key, entry in ours.get("sweep", {}).items():
         if isinstance(entry, dict) and key in plain.get("sweep", {}):
             a, b = entry["dflash2"], plain["sweep"][key]["plain"]

@@ -202,23 +202,15 @@ def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
     assert acceptance.category_table([old]).splitlines()[0] == "| τ | d, T 1, tree 32 |"
 
 
-def test_speed_times_sampling_when_asked_and_refuses_the_greedy_only_baseline(monkeypatch):
-    """--temperature reaches every timed generate call (it was once parsed and ignored); plain-graph, a greedy loop,
-    is refused before any model loads."""
+def test_speed_times_sampling_when_asked_in_every_method(monkeypatch):
+    """--temperature reaches every timed generate call (it was once parsed and ignored) and the plain CUDA-graph
+    loop, which samples at the same settings."""
     import types
 
-    import pytest
     import torch
 
-    from dflash2.benchmarks import speed
-
-    def no_load(args, check=True):
-        raise AssertionError("models loaded before the arguments were checked")
-
-    monkeypatch.setattr("dflash2.pairs.load_pair", no_load)
-    with pytest.raises(SystemExit) as refused:
-        speed.main(["--temperature", "1", "--methods", "plain,plain-graph"])
-    assert refused.value.code == 2
+    from dflash2.benchmarks import plain_graph, speed
+    from dflash2.generation.sampling import Sampling
 
     seen = []
     drafter = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
@@ -238,6 +230,19 @@ def test_speed_times_sampling_when_asked_and_refuses_the_greedy_only_baseline(mo
     assert len(seen) == 3  # the cold call, then each prompt once
     assert all((k["do_sample"], k["temperature"], k["top_p"], k["top_k"]) == (True, 0.8, 0.9, 0) for k in seen)
     assert report["settings"]["sampling"]["temperature"] == 0.8
+
+    graph_calls = []
+
+    def timed_graph(target, ids, max_new_tokens, eos, pad, compile=False, sampling=None):
+        graph_calls.append(sampling)
+        return torch.cat([ids, torch.ones(1, 4, dtype=ids.dtype)], dim=1), 0.01
+
+    monkeypatch.setattr(plain_graph, "timed_plain_graph_generate", timed_graph)
+    target = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=0))
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (target, tokenizer, drafter))
+    speed.main(["--temperature", "0.8", "--top-p", "0.9", "--methods", "plain-graph", "--quick", "--tasks",
+                "mtbench", "--num-prompts", "2", "--device", "cpu"])
+    assert graph_calls == [Sampling(True, 0.8, 0, 0.9)] * 3
 
 
 def test_speed_reports_the_round_its_steady_state_timed(monkeypatch):

@@ -1,5 +1,6 @@
 """The plain decoding loop of the benchmarks (benchmarks/plain_graph.py), run eagerly on the CPU: its tokens equal
-`generate(do_sample=False)`'s, with and without EOS inside, at several prompt lengths and for a batch."""
+`generate(do_sample=False)`'s, with and without EOS inside, at several prompt lengths and for a batch; sampled, its
+tokens follow the target's warped distribution (a chi-square test against the exact one)."""
 
 import random
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from dflash2.benchmarks.plain_graph import PlainGraphLoop, plain_graph_generate, time_forward
-from helpers import VOCAB, tiny_target
+from dflash2.generation.sampling import Sampling
+from helpers import VOCAB, assert_follows, exact_distribution_of_step, sampling_case, tiny_target
 
 
 def plain(target, ids, max_new_tokens, eos):
@@ -45,6 +47,56 @@ def test_batch_rows_stop_at_their_own_eos_and_are_padded():
     assert torch.equal(loop.generate(ids, 20, pad_token_id=0), reference)
     with pytest.raises(ValueError, match="do not fit"):
         loop.generate(ids, 60)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(True, 0.7), Sampling(True, 1.0, top_k=5), Sampling(True, 1.3, top_p=0.8),
+                                      Sampling(True, 1.0, top_k=6, top_p=0.9)], ids=["T", "top-k", "top-p", "both"])
+def test_sampled_loop_follows_the_warped_distribution(sampling):
+    check_sampled_loop(sampling)
+
+
+def check_sampled_loop(sampling, device="cpu", compile=False):
+    """The first and second new tokens of many rows (the prefill's sample, then the step's) against the exact
+    distribution under transformers' warpers (`warped_probabilities`, computed on the CPU), over three calls of one
+    loop (fresh noise each call, the settings filled in per call)."""
+    from dflash2.generation.sampling import warped_probabilities
+
+    target, _ = sampling_case()
+    ids = torch.tensor([[5, 6, 7]])
+    warp = lambda prefix, logits: warped_probabilities(logits, sampling).log()  # noqa: E731
+    expected = [exact_distribution_of_step(target, ids, step, warp) for step in (0, 1)]
+    rows, calls = 800, 3
+    target, ids = target.to(device), ids.to(device)
+    loop = PlainGraphLoop(target, batch=rows, capacity=16, sampling=sampling, compile=compile)
+    assert loop.cuts == bool(sampling.top_k or sampling.top_p < 1)
+    torch.manual_seed(0)
+    counts = torch.zeros(2, target.config.vocab_size, dtype=torch.float64)
+    for _ in range(calls):
+        out = loop.generate(ids.expand(rows, -1), 2, sampling=sampling).cpu()
+        for step in (0, 1):
+            counts[step] += torch.bincount(out[:, 3 + step], minlength=target.config.vocab_size).double()
+    for step in (0, 1):
+        assert_follows(counts[step], expected[step] * rows * calls)
+    return loop
+
+
+def test_a_loop_keeps_to_the_kind_of_setting_it_was_built_for():
+    """A greedy loop refuses a sampling setting and a temperature-only loop a cut (one clear error naming the way out);
+    plain_graph_generate keeps a loop per kind, and a sampled loop at temperature 0.01 gives the greedy tokens."""
+    target = tiny_target("llama", seed=5)
+    ids = torch.tensor([[5, 9, 14, 20]])
+    greedy = PlainGraphLoop(target, batch=1, capacity=64)
+    with pytest.raises(ValueError, match="built for greedy decoding.*plain_graph_generate"):
+        greedy.generate(ids, 4, sampling=Sampling(True, 1.0))
+    hot = PlainGraphLoop(target, batch=1, capacity=64, sampling=Sampling(True, 1.0))
+    with pytest.raises(ValueError, match="temperature only.*plain_graph_generate"):
+        hot.generate(ids, 4, sampling=Sampling(True, 1.0, top_k=5))
+    reference = plain(target, ids, 12, None)
+    cold = plain_graph_generate(target, ids, 12, pad_token_id=0, sampling=Sampling(True, 0.01))
+    assert torch.equal(cold, reference)
+    plain_graph_generate(target, ids, 12, pad_token_id=0, sampling=Sampling(True, 1.0, top_p=0.9))
+    plain_graph_generate(target, ids, 12, pad_token_id=0)
+    assert sorted(key[-1] for key in target.plain_graph_loops) == ["cuts", "greedy", "temperature"]
 
 
 def test_time_forward_replays_the_same_columns():
@@ -86,3 +138,14 @@ def test_captured_loop_equals_plain_greedy_on_the_gpu(compile):
         assert {loop.kind for loop in target.plain_graph_loops.values()} == {
             "graph (fused)" if compile else "graph (eager kernels)"}
         assert time_forward(target, 16, context=40) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["graph", "fused-graph"])
+@pytest.mark.parametrize("sampling", [Sampling(True, 1.0), Sampling(True, 0.8, top_k=6, top_p=0.9)], ids=["T", "cuts"])
+def test_captured_sampled_loop_follows_the_warped_distribution(sampling, compile):
+    """The sampled step captured as a CUDA graph (fused by inductor first with compile=True), its noise drawn before
+    each replay, samples the target's warped distribution (fp32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loop = check_sampled_loop(sampling, "cuda", compile)
+    assert loop.kind == ("graph (fused)" if compile else "graph (eager kernels)")
