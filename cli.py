@@ -122,7 +122,7 @@ def command_generate(args) -> None:
     target, tokenizer, drafter = load_pair(args, check=False)
     device = drafter.device
     ids = torch.tensor([chat_prompt_ids(tokenizer, args.prompt)], device=device)
-    sampling = sampling_kwargs(args.temperature, args.top_p)
+    sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                   pad_token_id=tokenizer.eos_token_id, **sampling)
     if args.static:  # both sides get static caches: the fixed-shape DFlash 2 loop against compiled plain decoding
@@ -216,7 +216,7 @@ def command_bench(args) -> None:
         drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
     results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            static=args.static,
+                            top_k=args.top_k, static=args.static,
                             on_task_done=lambda partial: write_reports(partial, args.out))
     written = write_reports(results, args.out)
     print(markdown_table(results))
@@ -253,7 +253,7 @@ def command_precompile(args) -> None:
 
     target, tokenizer, drafter = load_pair(args)
     ids = torch.tensor([chat_prompt_ids(tokenizer, "Hello")], device=drafter.device)
-    sampling = sampling_kwargs(args.temperature, args.top_p)
+    sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     config, graphs = drafter.config, uses_graphs(target, drafter)
     width = prefill_width(ids.shape[1], config.block_size, bucketed=graphs)
     fixed = width + columns_per_round(config.block_size, config.tree_nodes)  # columns besides the new tokens

@@ -25,6 +25,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _number(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = _number(text, float, "a number")
     if not value >= 0:
@@ -81,20 +88,23 @@ def add_model_arguments(parser, max_new_tokens: int = 128) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                         help="most new tokens per answer (generation also stops at the end-of-sequence token)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy; above 0: sampling "
-                        "(no top-k cut)")
+                        "(no top-k cut unless --top-k)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (when sampling)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="sample within the K most likely tokens "
+                        "(when sampling; 0: no cut; transformers' generate cuts at 50 when a call leaves top_k out)")
     parser.add_argument("--threads", type=thread_count, default="auto",
                         help="CPU threads for torch on --device cpu; auto: the cores other work leaves idle when the "
                              "command starts (a busy core shared by two threads slows every step several times), "
                              "or OMP_NUM_THREADS when set")
 
 
-def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
-    """`generate` keyword arguments for `--temperature` / `--top-p`: greedy at 0; above it, sampling at that temperature
-    and nucleus with no top-k cut (`top_k=0`: transformers would otherwise apply its default top-k of 50)."""
+def sampling_kwargs(temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
+    """`generate` keyword arguments for `--temperature` / `--top-p` / `--top-k`: greedy at 0; above it, sampling at that
+    temperature and nucleus, with top_k always named (0: no cut; left out, transformers would apply its default of
+    50)."""
     if temperature == 0:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -86,7 +86,7 @@ def measure(args, tasks: list[str], skips: list[int]) -> dict:
     from dflash2.tasks import prompt_ids, task_categories, task_prompts
 
     target, tokenizer, drafter = load_pair(args, check=False)
-    sampling = sampling_kwargs(args.temperature, args.top_p)
+    sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     torch.manual_seed(args.seed)
     from tqdm.auto import tqdm
 

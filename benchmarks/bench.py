@@ -143,18 +143,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbench"), num_prompts: int = 8,
                   command: str | None = None,
-                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, static=False,
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, static=False,
                   progress: bool = True, seed: int = 0, on_task_done=None) -> dict:
     """drafters: {"dflash2": drafter, optional "dflash1": drafter}, attached to `target`."""
     device = target.get_output_embeddings().weight.device
     greedy = temperature == 0
-    sampling = sampling_kwargs(temperature, top_p)
+    sampling = sampling_kwargs(temperature, top_p, top_k)
     methods = ["plain"] + (["plain-static", "plain-graph"] if static else [])
     methods += ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
     methods += ["dflash2-fused"] if static and device.type == "cuda" else []  # inductor on a CPU: minutes, no gain
     results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                            "top_p": top_p, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
+                            "top_p": top_p, "top_k": top_k, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
                             if device.type == "cuda" else None},
                "tasks": {}}

@@ -19,8 +19,8 @@ static cache) and `plain-graph`, the expert baseline: a plain loop with the step
 `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
 first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
 tau and tokens/s over the path's.
-Greedy by default; `--temperature T` (and `--top-p`) samples in every timed call but the sweep's, with no top-k cut,
-`plain-graph` too (its step samples at the same settings).
+Greedy by default; `--temperature T` (and `--top-p`, `--top-k`: no top-k cut unless given) samples in every timed call
+but the sweep's, `plain-graph` too (its step samples at the same settings).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -135,7 +135,7 @@ def main(argv=None):
     categories = {task: task_categories(task, args.num_prompts, skip=skips[task]) for task in tasks}
     # --temperature / --top-p: every timed call samples so, but for the sweep (greedy, a stall check) and the settings
     # section (which brings its own settings)
-    sampling = sampling_kwargs(args.temperature, args.top_p)
+    sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     common = dict(pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,

@@ -157,20 +157,32 @@ def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
     for asked, expected in ((None, 16), (0, 0), (32, 32)):
         seen.clear()
-        args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0, no_fusion=True,
+        args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0, no_fusion=True,
                                   tree_nodes=asked, prompt_file=None, num_prompts=None)
         report = acceptance.measure(args, ["mtbench"], [0])
         assert seen == [expected, expected] and report["tree_nodes"] == expected
 
 
-def test_sampling_options_have_no_top_k_cut():
-    """--temperature / --top-p become generate's settings in one place: greedy at 0, else sampling with no top-k cut
-    (transformers' default top-k of 50 would otherwise narrow what "T = 1" samples from)."""
-    from dflash2.pairs import sampling_kwargs
+def test_sampling_options_have_no_top_k_cut_unless_asked():
+    """--temperature / --top-p / --top-k become generate's settings in one place: greedy at 0, else sampling with no
+    top-k cut unless --top-k names one (transformers' default top-k of 50 would otherwise narrow what "T = 1" samples
+    from); a negative --top-k is refused by the parser."""
+    import argparse
+
+    import pytest
+
+    from dflash2.pairs import add_model_arguments, sampling_kwargs
 
     assert sampling_kwargs(0.0, 0.9) == {"do_sample": False}
     assert sampling_kwargs(1.0) == {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     assert sampling_kwargs(0.7, 0.9) == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--temperature", "1", "--top-k", "50"])
+    assert sampling_kwargs(args.temperature, args.top_p, args.top_k)["top_k"] == 50
+    assert parser.parse_args([]).top_k == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--top-k", "-1"])
 
 
 def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
@@ -191,7 +203,7 @@ def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x"])
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
-    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0, no_fusion=True,
+    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=0, no_fusion=True,
                               tree_nodes=None, prompt_file=None, num_prompts=None)
     report = acceptance.measure(args, ["mtbench"], [0])
     assert (seen[0]["do_sample"], seen[0]["temperature"], seen[0]["top_k"]) == (True, 1.0, 0)
