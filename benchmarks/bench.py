@@ -2,9 +2,9 @@
 
 Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), the
 plain CUDA-graph loop (`plain-graph`, with `static`: no `generate`, the step captured as a CUDA graph, no host read
-per token, greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers' built-in `speculation_type="dflash"`
-running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2 (assisted loop; with `static`, its own
-loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau (completion tokens / target
+per token, greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers'
+built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2
+(assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau (completion tokens / target
 forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
 greedy agreement with plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold
 start, the wall time of its first call in this process (compile or capture included; the first task's longest
@@ -153,8 +153,9 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
     methods += ["prompt-lookup", "hf-dflash"]
     methods += [name for name in ("dflash1", "dflash2") if name in drafters] + (["dflash2-static"] if static else [])
     methods += ["dflash2-fused"] if static and device.type == "cuda" else []  # inductor on a CPU: minutes, no gain
-    results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                            "top_p": top_p, "top_k": top_k, "batch_size": 1, "device": str(device), "dtype": str(target.dtype),
+    results = {"settings": {"command": command, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+                            "temperature": temperature, "top_p": top_p, "top_k": top_k, "batch_size": 1,
+                            "device": str(device), "dtype": str(target.dtype),
                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)
                             if device.type == "cuda" else None},
                "tasks": {}}

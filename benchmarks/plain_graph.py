@@ -1,4 +1,5 @@
-"""The expert baseline: plain decoding (greedy or sampled) of a transformers causal LM as a hand-written CUDA-graph loop.
+"""The expert baseline: plain decoding, greedy or sampled, of a transformers causal LM as a hand-written CUDA-graph
+loop.
 
 gpt-fast style, with no `generate` around it: one static cache (transformers' `StaticCache`), the prompt prefilled
 once, then one-token steps. A step -- the model's forward, the argmax, the token written into a preallocated output
@@ -75,7 +76,7 @@ class PlainGraphLoop:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One token for every row: forward, argmax, into `output`; everything stays on the device."""
+        """One token for every row: forward, argmax (or a sample), into `output`; everything stays on the device."""
         logits = self.model(input_ids=self.token, use_cache=True, **self.cache).logits
         token = self.choose(logits[:, -1])
         self.output.index_copy_(1, self.length, token.view(-1, 1))

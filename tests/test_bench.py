@@ -157,8 +157,8 @@ def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
     for asked, expected in ((None, 16), (0, 0), (32, 32)):
         seen.clear()
-        args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0, no_fusion=True,
-                                  tree_nodes=asked, prompt_file=None, num_prompts=None)
+        args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                                  no_fusion=True, tree_nodes=asked, prompt_file=None, num_prompts=None)
         report = acceptance.measure(args, ["mtbench"], [0])
         assert seen == [expected, expected] and report["tree_nodes"] == expected
 
@@ -203,8 +203,8 @@ def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x"])
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
-    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=0, no_fusion=True,
-                              tree_nodes=None, prompt_file=None, num_prompts=None)
+    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=0,
+                              no_fusion=True, tree_nodes=None, prompt_file=None, num_prompts=None)
     report = acceptance.measure(args, ["mtbench"], [0])
     assert (seen[0]["do_sample"], seen[0]["temperature"], seen[0]["top_k"]) == (True, 1.0, 0)
     assert report["top_k"] == 0
