@@ -27,7 +27,8 @@
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
 # runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder
-# to start from instead of scratch, with its own candidates per position; from scratch 16), RETURN_DRAFTER (1; 0
+# to start from instead of scratch, with its own candidates per position; from scratch 16), CANDIDATES (the candidates
+# per position the selector trains over; default: INIT's own, else 16), RETURN_DRAFTER (1; 0
 # returns the run's logs and config without its weights: $OUT takes back 64 MiB, two block-16 drafters' worth).
 # Each phase writes its logs to $OUT and prints what came back; `train` returns the exported bf16 drafter as
 # <run folder name>.tar.* parts of <= 15 MB: here, `cat run2.tar.* | tar xf -` gives drafter/ with train_log.jsonl,
@@ -113,7 +114,8 @@ train)
   need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
   run="${RUN:-/tmp/run$version}"; name="$(basename "$run")"  # RUN=/tmp/run2-b8: a second run of one version
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
-  candidates=(--selector-top-k 16); [ ${#init[@]} -gt 0 ] && candidates=()  # from INIT: the folder's own
+  candidates=(--selector-top-k "${CANDIDATES:-16}")
+  [ ${#init[@]} -gt 0 ] && [ -z "${CANDIDATES:-}" ] && candidates=()  # from INIT: the folder's own unless CANDIDATES
   unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
   epochs=(); [ -n "${EPOCHS:-}" ] && epochs=(--epochs "$EPOCHS")
   budget=(--time-budget "${BUDGET:-$job_s}"); [ -n "${STEPS:-}" ] && [ -z "${BUDGET:-}" ] && budget=()  # by steps
