@@ -7,6 +7,8 @@ with no top-k cut; TOP_K=50 samples within the 50 most likely tokens (transforme
 CANDIDATES=K loads the drafter with selector_top_k=K (the candidates kept per block position; its config's otherwise).
 PROPOSAL_SCALE=C draws a sampled tree's children from softmax(pairs / (T * C)) instead of softmax(pairs / T) (C < 1
 sharper, C > 1 flatter; the acceptance uses the same proposal, so the output stays exact).
+PAIRS=unary drops the selector's pair term: every row's scores are its candidates' unary logits whatever the previous
+draft (the proposal q = softmax(unary / T) over the candidates; the output stays exact).
 """
 import os
 import sys
@@ -25,10 +27,15 @@ if os.environ.get("PROPOSAL_SCALE"):
     scale, unscaled = float(os.environ["PROPOSAL_SCALE"]), round_core.sample_tree
     round_core.sample_tree = lambda anchor, candidates, pairs, shape, temperature, gumbel: unscaled(
         anchor, candidates, pairs, shape, temperature * scale, gumbel)
+if os.environ.get("PAIRS") == "unary":
+    import dflash2.modeling_dflash2 as modeling
+
+    modeling.bilinear_scores = lambda unary, candidates, predecessors, *codebooks: unary.float().unsqueeze(-2).expand(
+        *predecessors.shape, unary.shape[-1])
 candidates = {"selector_top_k": int(os.environ["CANDIDATES"])} if os.environ.get("CANDIDATES") else {}
 drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32, **candidates)
 print("selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width,
-      "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), flush=True)
+      "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), "pairs", os.environ.get("PAIRS", "selector"), flush=True)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
