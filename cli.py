@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--static", action="store_true",
                        help="also time compiled static-cache plain decoding, the plain CUDA-graph loop "
                             "(plain-graph: the step captured, no generate; greedy or sampling) and DFlash 2's own "
-                            "loop (on CUDA also with the inductor-fused round, dflash2-fused); every method's first call is reported "
-                            "as its cold start")
+                            "loop (on CUDA also with the inductor-fused round, dflash2-fused); every method's first "
+                            "call is reported as its cold start")
     bench.add_argument("--out", default="runs/bench", help="folder for results.json, results.md and plots")
     bench.set_defaults(run=command_bench)
 

@@ -4,8 +4,8 @@ Methods: plain `generate` (eager), plain with a static cache (transformers compi
 plain CUDA-graph loop (`plain-graph`, with `static`: no `generate`, the step captured as a CUDA graph, no host read
 per token, greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers'
 built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2
-(assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau (completion tokens / target
-forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
+(assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused round). Per task:
+tau (completion tokens / target forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
 greedy agreement with plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold
 start, the wall time of its first call in this process (compile or capture included; the first task's longest
 prompt).
@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from dflash2.benchmarks.common import round_kind, settle
-from dflash2.generation.sampling import Sampling
 from dflash2.pairs import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, task_prompts
 
@@ -99,11 +98,11 @@ def timed_call(name: str, target, ids, kwargs, device):
     token: the prefill's, then one per step)."""
     if name != "plain-graph":
         return timed_generate(target, ids, kwargs, device)
-    from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
+    from dflash2.benchmarks.plain_graph import call_sampling, timed_plain_graph_generate
 
     out, seconds = timed_plain_graph_generate(target, ids, kwargs["max_new_tokens"],
                                               kwargs.get("eos_token_id", target.generation_config.eos_token_id),
-                                              kwargs["pad_token_id"], sampling=Sampling.from_generate_kwargs(kwargs))
+                                              kwargs["pad_token_id"], sampling=call_sampling(target, kwargs))
     return out, seconds, out.shape[1] - ids.shape[1]
 
 

@@ -152,6 +152,14 @@ class PlainGraphLoop:
             self.sampled) else "greedy decoding"
 
 
+def call_sampling(model, kwargs: dict) -> Sampling:
+    """The sampling setting `model.generate(**kwargs)` would use, resolved as DFlash 2's own loop resolves a call
+    (`generation/hooks.py`): transformers' own preparation of the call's settings over the model's generation config
+    over its global defaults (top_k=50 where a sampling call leaves top_k unset)."""
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    return Sampling.from_generation_config(config)
+
+
 def has_cuts(sampling: Sampling) -> bool:
     """Whether a sampling setting cuts the distribution (top-k or top-p): a loop is built for one or the other."""
     return bool(sampling.top_k) or sampling.top_p < 1.0

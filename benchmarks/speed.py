@@ -75,8 +75,7 @@ def summary(times, tokens):
 def main(argv=None):
     from dflash2.benchmarks.common import command_line
     from dflash2.pairs import add_model_arguments, load_pair, sampling_kwargs
-    from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
-    from dflash2.generation.sampling import Sampling
+    from dflash2.benchmarks.plain_graph import call_sampling, timed_plain_graph_generate
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,7 +157,7 @@ def main(argv=None):
             settings = {**common, **own, **extra}
             out, seconds = timed_plain_graph_generate(target, ids, settings["max_new_tokens"],
                                                       target.generation_config.eos_token_id, settings["pad_token_id"],
-                                                      args.plain_graph_compile, Sampling.from_generate_kwargs(settings))
+                                                      args.plain_graph_compile, call_sampling(target, settings))
             return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common, **own,
                                                      **methods[method], **extra})

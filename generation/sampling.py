@@ -25,15 +25,6 @@ class Sampling:
     def from_generation_config(cls, config) -> "Sampling":
         return cls(bool(config.do_sample), config.temperature or 1.0, config.top_k or 0, config.top_p or 1.0)
 
-    @classmethod
-    def from_generate_kwargs(cls, kwargs: dict) -> "Sampling":
-        """The setting of `generate(**kwargs)` keyword arguments that name all of theirs (`pairs.sampling_kwargs`
-        does: transformers' default top-k of 50 applies to a sampling call that leaves `top_k` out)."""
-        if kwargs.get("do_sample") and "top_k" not in kwargs:
-            raise ValueError("a sampling setting without top_k: name it (0 for no cut; transformers' default is 50)")
-        return cls(bool(kwargs.get("do_sample", False)), kwargs.get("temperature") or 1.0, kwargs.get("top_k") or 0,
-                   kwargs.get("top_p") or 1.0)
-
 
 # EOS ids one request of the own loop may stop at: its round holds them in a fixed buffer, padded with -1
 MAX_EOS_TOKENS = 16

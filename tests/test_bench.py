@@ -250,7 +250,9 @@ def test_speed_times_sampling_when_asked_in_every_method(monkeypatch):
         return torch.cat([ids, torch.ones(1, 4, dtype=ids.dtype)], dim=1), 0.01
 
     monkeypatch.setattr(plain_graph, "timed_plain_graph_generate", timed_graph)
-    target = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=0))
+    from helpers import tiny_target
+
+    target = tiny_target("llama", seed=1)  # its generation config resolves the call's setting, as generate's would
     monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (target, tokenizer, drafter))
     speed.main(["--temperature", "0.8", "--top-p", "0.9", "--methods", "plain-graph", "--quick", "--tasks",
                 "mtbench", "--num-prompts", "2", "--device", "cpu"])

@@ -99,6 +99,20 @@ def test_a_loop_keeps_to_the_kind_of_setting_it_was_built_for():
     assert sorted(key[-1] for key in target.plain_graph_loops) == ["cuts", "greedy", "temperature"]
 
 
+def test_a_call_samples_as_generate_resolves_it():
+    """call_sampling reads a generate call's setting as generate would: the model's generation config updated with the
+    call's keywords, transformers' default top-k of 50 for a sampling call that leaves top_k out."""
+    from dflash2.benchmarks.plain_graph import call_sampling
+
+    target = tiny_target("llama", seed=5)
+    before = target.generation_config.to_dict()
+    assert call_sampling(target, {"do_sample": False, "max_new_tokens": 8, "pad_token_id": 0}).do_sample is False
+    assert call_sampling(target, {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}) == Sampling(
+        True, 0.8, 0, 0.9)
+    assert call_sampling(target, {"do_sample": True, "temperature": 1.0}).top_k == 50
+    assert target.generation_config.to_dict() == before  # the model's own config is not changed
+
+
 def test_time_forward_replays_the_same_columns():
     target = tiny_target("qwen3", seed=6)
     for tokens in (1, 16):
