@@ -4,6 +4,7 @@
 
 TEMPERATURE=1.0 (environment) samples at that temperature instead of greedy (each call seeded by its prompt's index),
 with no top-k cut; TOP_K=50 samples within the 50 most likely tokens (transformers' default when none is given).
+DRAFTER=<folder> measures that drafter instead of the shipped one (e.g. one written by scripts/selector_fit.py).
 CANDIDATES=K loads the drafter with selector_top_k=K (the candidates kept per block position; its config's otherwise).
 PROPOSAL_SCALE=C draws a sampled tree's children from softmax(pairs / (T * C)) instead of softmax(pairs / T) (C < 1
 sharper, C > 1 flatter; the acceptance uses the same proposal, so the output stays exact).
@@ -33,8 +34,8 @@ if os.environ.get("PAIRS") == "unary":
     modeling.bilinear_scores = lambda unary, candidates, predecessors, *codebooks: unary.float().unsqueeze(-2).expand(
         *predecessors.shape, unary.shape[-1])
 candidates = {"selector_top_k": int(os.environ["CANDIDATES"])} if os.environ.get("CANDIDATES") else {}
-drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.float32, **candidates)
-print("selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width,
+drafter = DFlash2Drafter.from_pretrained(os.environ.get("DRAFTER", DEFAULT_DRAFTER), dtype=torch.float32, **candidates)
+print("drafter", os.environ.get("DRAFTER", "shipped"), "selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width,
       "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), "pairs", os.environ.get("PAIRS", "selector"), flush=True)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
