@@ -16,13 +16,15 @@
 #                                                # 100-109, MT-Bench 40-49, T 0 and 1 (carry .carry/eval)
 #
 # Knobs (environment): data: PROMPTS (.carry/prompts.jsonl.gz), NUM_PROMPTS (all), MAX_NEW (512), ANSWERS (mix),
-# MIX (0.25 sampled), TEMP (0.8), SEED (0: of the sampled answers and the mix), MAX_PROMPT (512), DISTILL_BATCH (2048
-# per GPU), DISTILL_S (300: no new batch after), RETURN_DATA (1: the answers come back gzipped as data.jsonl.gz.*),
+# MIX (0.25 sampled), TEMP (0.8), TOP_P (0.95: the sampled answers' nucleus; 1.0 samples at TEMP with no cut),
+# SEED (0: of the sampled answers and the mix), MAX_PROMPT (512), DISTILL_BATCH (2048 per GPU), DISTILL_S (300: no
+# new batch after), RETURN_DATA (1: the answers come back gzipped as data.jsonl.gz.*),
 # EXTRA_DATA (earlier answer files, carried, joined to this call's: `cat data.jsonl.gz.* > .carry/s11.jsonl.gz`),
 # DISTILL_CACHE (auto: training/decoding.py's in-place loop for Llama-family targets; dynamic: transformers' generate);
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
-# UNIQUE (1: --unique-anchors), SOFT (0: --soft-labels, the target's distribution's share in the labels), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
+# UNIQUE (1: --unique-anchors), SOFT (0: --soft-labels, the target's distribution's share in the labels), SOFT_TOP_K
+# (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.83 of the mass), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
@@ -77,7 +79,7 @@ data)
   SECONDS=0
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$new" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
+    --temperature "${TEMP:-0.8}" --top-p "${TOP_P:-0.95}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
     --batch-size "${DISTILL_BATCH:-2048}" --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 \
     | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}
@@ -131,7 +133,7 @@ train)
     --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
     --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps "${STEPS:-1000000}" \
     "${budget[@]}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \
-    --checkpoint-every 1000 --soft-labels "${SOFT:-0}" \
+    --checkpoint-every 1000 --soft-labels "${SOFT:-0}" --soft-labels-top-k "${SOFT_TOP_K:-32}" \
     2>&1 | quiet | tee -a "$OUT/train-$name.log"
   status=${PIPESTATUS[0]}
   echo "train $version ($run): exit $status after ${SECONDS}s" | tee -a "$OUT/train-$name.log"
