@@ -24,7 +24,7 @@
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), SOFT (0: --soft-labels, the target's distribution's share in the labels), SOFT_TOP_K
-# (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.83 of the mass), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
+# (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.87 of the mass), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
