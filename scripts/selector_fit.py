@@ -30,7 +30,6 @@ import shutil
 import time
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from dflash2.generation import DFlash2Drafter, load_target
@@ -101,9 +100,10 @@ def collect(drafter, target, sequences, k: int, temperature: float, stride: int,
             hit = (candidates == token.unsqueeze(-1)).any(-1) & valid
             reachable = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1].long().cumprod(-1).bool()], 1) & valid
             depth = torch.arange(1, block).expand_as(position)
-            for name, value in (("hidden", draft.bfloat16()), ("candidates", candidates.int()), ("unary", unary),
-                                ("target", target_probs), ("target_top", top_mass[at - 1]), ("predecessor", ids[0, at - 1].int()),
-                                ("depth", depth.to(torch.int8)), ("reachable", reachable)):
+            values = {"hidden": draft.bfloat16(), "candidates": candidates.int(), "unary": unary,
+                      "target": target_probs, "target_top": top_mass[at - 1], "predecessor": ids[0, at - 1].int(),
+                      "depth": depth.to(torch.int8), "reachable": reachable}
+            for name, value in values.items():
                 parts[name].append(value[valid])
         if number % 50 == 0:
             print(f"collected {number + 1}/{len(sequences)} sequences, "
@@ -234,8 +234,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     drafter = DFlash2Drafter.from_pretrained(args.drafter, dtype=torch.float32, selector_top_k=args.candidates).eval()
     rows_path = os.path.join(args.out, "rows.pt")
+    source = {name: str(getattr(args, name)) for name in ("drafter", "data", "candidates", "temperature", "stride",
+                                                           "max_sequences")}
     if os.path.exists(rows_path):
-        rows, prompt_of_row = torch.load(rows_path)
+        rows, prompt_of_row, collected_from = torch.load(rows_path)
+        if collected_from != source:
+            raise SystemExit(f"{rows_path} holds rows collected with {collected_from}, not {source}: give another "
+                             "--out, or remove that file to collect again.")
     else:
         target, _ = load_target(drafter.config, dtype=torch.float32)
         target.eval()
@@ -244,7 +249,6 @@ def main():
         started = time.time()
         rows = collect(drafter, target, sequences, args.candidates, args.temperature, args.stride)
         print(f"collected {rows['depth'].shape[0]} rows in {time.time() - started:.0f} s", flush=True)
-        prompt_of_row = None
         # the held-out split is by prompt: recompute which rows came from which sequence
         counts = []
         for row in sequences:
@@ -253,7 +257,7 @@ def main():
                               for a in range(start, length - 1, args.stride)))
         prompt_of_row = torch.repeat_interleave(torch.tensor([r.get("prompt_index", i) for i, r in
                                                               enumerate(sequences)]), torch.tensor(counts))
-        torch.save((rows, prompt_of_row), rows_path + ".tmp")
+        torch.save((rows, prompt_of_row, source), rows_path + ".tmp")
         os.replace(rows_path + ".tmp", rows_path)
     cut = torch.quantile(prompt_of_row.float().unique(), 1 - args.held_out)
     held_out = (prompt_of_row.float() > cut).nonzero().squeeze(-1)
