@@ -23,7 +23,6 @@ round can reach), by row, for the shipped selector over the first 64 and all K c
 fitted selector.
 """
 import argparse
-import gzip
 import json
 import os
 import shutil
@@ -33,8 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2.generation import DFlash2Drafter, load_target
-from dflash2.modeling_dflash2 import tap_target_features
+from dflash2.modeling_dflash2 import bilinear_scores, tap_target_features
 from dflash2.pairs import DEFAULT_DRAFTER
+from dflash2.tasks import read_jsonl
 from dflash2.training.trainer import denoise_blocks, position_weights
 
 TARGET_TOP = (32, 64, 256)  # the target's own most likely tokens whose mass is recorded (the most K candidates hold)
@@ -62,12 +62,6 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True, help="folder: rows.pt (the collected rows), report.json, drafter/")
     return parser.parse_args()
-
-
-def read_rows(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @torch.no_grad()
@@ -116,9 +110,8 @@ def scores(rows, index, weights, k: int) -> torch.Tensor:
     (hidden projection, predecessor codebook, successor codebook)."""
     projection, predecessor, successor = weights
     gate = rows["hidden"][index].float() @ projection.t()  # [n, r]
-    left = predecessor[rows["predecessor"][index].long()] * gate  # [n, r]
-    right = successor[rows["candidates"][index, :k].long()]  # [n, k, r]
-    return rows["unary"][index, :k] + (right @ left.unsqueeze(-1)).squeeze(-1)
+    return bilinear_scores(rows["unary"][index, :k], rows["candidates"][index, :k].long(),
+                           rows["predecessor"][index].long().unsqueeze(-1), gate, predecessor, successor).squeeze(-2)
 
 
 def overlap(rows, index, log_q, k: int, temperature: float) -> torch.Tensor:
@@ -245,7 +238,7 @@ def main():
         target, _ = load_target(drafter.config, dtype=torch.float32)
         target.eval()
         drafter.attach(target)
-        sequences = read_rows(args.data)[:args.max_sequences]
+        sequences = read_jsonl(args.data)[:args.max_sequences]
         started = time.time()
         rows = collect(drafter, target, sequences, args.candidates, args.temperature, args.stride)
         print(f"collected {rows['depth'].shape[0]} rows in {time.time() - started:.0f} s", flush=True)
