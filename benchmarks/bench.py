@@ -1,14 +1,14 @@
 """`dflash2 bench`: every decoding method on the same prompts, machine and run.
 
-Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), the
-plain CUDA-graph loop (`plain-graph`, with `static`: no `generate`, the step captured as a CUDA graph, no host read
-per token, greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers'
-built-in `speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2
-(assisted loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused round). Per task:
-tau (completion tokens / target forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they ran: `speedup_vs_<method>`),
-greedy agreement with plain, acceptance by block position, per-prompt median and max seconds. Per method: its cold
-start, the wall time of its first call in this process (compile or capture included; the first task's longest
-prompt).
+Methods: plain `generate` (eager), plain with a static cache (transformers compiles the forward; optional), the plain
+CUDA-graph loop (`plain-graph`, with `static`: no `generate`, the step captured as a CUDA graph, no host read per token,
+greedy or sampling at the same settings; benchmarks/plain_graph.py), HF prompt lookup, transformers' built-in
+`speculation_type="dflash"` running our drafter as DFlash 1, a DFlash 1 drafter (when given) and DFlash 2 (assisted
+loop; with `static`, its own loop too, and on CUDA the same loop with the inductor-fused round). Per task: tau
+(completion tokens / target forwards), tokens/s, speedup over plain (and over plain-static and plain-graph when they
+ran: `speedup_vs_<method>`), greedy agreement with plain, acceptance by block position, per-prompt median and max
+seconds. Per method: its cold start, the wall time of its first call in this process (compile or capture included; the
+first task's longest prompt).
 """
 
 from __future__ import annotations

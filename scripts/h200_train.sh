@@ -24,7 +24,8 @@
 # training: BUDGET (the run's whole time budget in training seconds over all its jobs, which the learning rate anneals
 # over; default JOB_S: one job is the whole run; e.g. BUDGET=720 with two jobs of 360), BLOCK (16), ANCHORS (128),
 # UNIQUE (1: --unique-anchors), SOFT (0: --soft-labels, the target's distribution's share in the labels), SOFT_TOP_K
-# (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.87 of the mass), BATCH (32 per GPU), MAXLEN (768), LR (6e-4),
+# (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.87 of the mass), BATCH
+# (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
 # set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
@@ -79,7 +80,8 @@ data)
   SECONDS=0
   torchrun -m dflash2.training.selfdistill "${TARGET[@]}" --prompts "$prompts" "${limit[@]}" --out "$new" \
     --device "$DEVICE" --max-new-tokens "${MAX_NEW:-512}" --answers "${ANSWERS:-mix}" --mix-fraction "${MIX:-0.25}" \
-    --temperature "${TEMP:-0.8}" --top-p "${TOP_P:-0.95}" --seed "${SEED:-0}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
+    --temperature "${TEMP:-0.8}" --top-p "${TOP_P:-0.95}" --seed "${SEED:-0}" \
+    --max-prompt-tokens "${MAX_PROMPT:-512}" \
     --batch-size "${DISTILL_BATCH:-2048}" --time-limit "${DISTILL_S:-300}" --cache "${DISTILL_CACHE:-auto}" 2>&1 \
     | quiet | tee "$OUT/distill.log"
   status=${PIPESTATUS[0]}

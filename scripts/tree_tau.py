@@ -34,9 +34,11 @@ if os.environ.get("PAIRS") == "unary":
     modeling.bilinear_scores = lambda unary, candidates, predecessors, *codebooks: unary.float().unsqueeze(-2).expand(
         *predecessors.shape, unary.shape[-1])
 candidates = {"selector_top_k": int(os.environ["CANDIDATES"])} if os.environ.get("CANDIDATES") else {}
-drafter = DFlash2Drafter.from_pretrained(os.environ.get("DRAFTER", DEFAULT_DRAFTER), dtype=torch.float32, **candidates)
-print("drafter", os.environ.get("DRAFTER", "shipped"), "selector_top_k", drafter.config.selector_top_k, "tree_width", drafter.config.tree_width,
-      "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), "pairs", os.environ.get("PAIRS", "selector"), flush=True)
+drafter_folder = os.environ.get("DRAFTER", DEFAULT_DRAFTER)
+drafter = DFlash2Drafter.from_pretrained(drafter_folder, dtype=torch.float32, **candidates)
+print("drafter", drafter_folder, "selector_top_k", drafter.config.selector_top_k, "tree_width",
+      drafter.config.tree_width, "proposal_scale", os.environ.get("PROPOSAL_SCALE", 1), "pairs",
+      os.environ.get("PAIRS", "selector"), flush=True)
 target, tok = load_target(drafter.config, dtype=torch.float32)
 drafter.attach(target)
 task, skip, n, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
