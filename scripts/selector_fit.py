@@ -173,6 +173,14 @@ def report(rows, index, weights, k: int, temperature: float, scales=()) -> dict:
     return out
 
 
+def set_learning_rate(optimizer, peak: float, step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then a linear decay to a tenth of `peak` at the last step; returns the rate."""
+    lr = peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * (1 - step / steps))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def fit(rows, train, weights, args) -> list:
     weights = [w.detach().clone().requires_grad_(True) for w in weights]
     optimizer = torch.optim.Adam(weights, lr=args.lr)
@@ -180,9 +188,7 @@ def fit(rows, train, weights, args) -> list:
     generator = torch.Generator().manual_seed(0)
     started = time.time()
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - step / args.steps))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rate(optimizer, args.lr, step, args.steps, warmup=100)
         index = train[torch.randint(len(train), (args.batch_rows,), generator=generator)]
         mass = rows["target"][index].sum(-1)  # [n]: the target's mass on the K candidates
         label = rows["target"][index] / mass.clamp(min=1e-12).unsqueeze(-1)
