@@ -35,7 +35,7 @@ from dflash2.modeling_dflash2 import bilinear_scores
 from dflash2.pairs import DEFAULT_DRAFTER
 from dflash2.tasks import read_jsonl
 from dflash2.training.trainer import position_weights
-from selector_fit import set_learning_rate  # scripts/ is on the path when this runs as a script
+from selector_fit import row_layout, set_learning_rate, split_by_prompt  # scripts/ is on the path
 
 BANDS = {"all": (1, 10 ** 6), "row 1": (1, 1), "rows 2-4": (2, 4), "rows 5-8": (5, 8), "rows 9-15": (9, 10 ** 6)}
 
@@ -82,18 +82,6 @@ def target_table(drafter, sequences, top: int, path: str):
     torch.save(table, path + ".tmp")
     os.replace(path + ".tmp", path)
     return table
-
-
-def label_positions(sequences, offsets, block: int, stride: int) -> torch.Tensor:
-    """For every row of selector_fit's `collect` (same order): the flat index of the target's distribution that
-    predicts the row's token (the position before it)."""
-    where = []
-    for number, row in enumerate(sequences):
-        length, start = len(row["input_ids"]), row["prompt_length"]
-        for anchor in range(start, length - 1, stride):
-            base = int(offsets[number]) + anchor - 1
-            where.extend(base + depth for depth in range(1, block) if anchor + depth < length)
-    return torch.tensor(where)
 
 
 class Correction(torch.nn.Module):
@@ -179,16 +167,15 @@ def main():
     stride = args.stride or int(collected_from.get("stride", 0))
     if not stride:
         raise SystemExit(f"{args.rows} does not say its anchor stride: pass --stride (selector_fit's --stride).")
-    where = label_positions(sequences, offsets, drafter.config.block_size, stride)
+    sequence_of_row, position = row_layout(sequences, drafter.config.block_size, stride)
+    where = offsets[sequence_of_row] + position - 1  # the target's distribution that predicts each row's token
     if where.shape[0] != rows["depth"].shape[0]:
         raise SystemExit(f"{args.rows} holds {rows['depth'].shape[0]} rows, but {args.data} with stride {stride} "
                          f"gives {where.shape[0]}: the rows were collected from other answers or another stride.")
     labels = (label_ids, label_probs, where)
-    cut = torch.quantile(prompt_of_row.float().unique(), 1 - args.held_out)
-    held_out = (prompt_of_row.float() > cut).nonzero().squeeze(-1)
+    train, held_out = split_by_prompt(prompt_of_row, args.held_out)
     held_out = held_out[rows["reachable"][held_out]]
     generator = torch.Generator().manual_seed(0)
-    train = (prompt_of_row.float() <= cut).nonzero().squeeze(-1)
     train = train[rows["reachable"][train]]  # the rows the report measures: the fit sees no other kind
     train = train[torch.randperm(len(train), generator=generator)[:args.train_rows]]
     print(f"{len(train)} training rows, {len(held_out)} held-out rows (rows a round can reach)", flush=True)

@@ -105,6 +105,26 @@ def collect(drafter, target, sequences, k: int, temperature: float, stride: int,
     return {name: torch.cat(values) for name, values in parts.items()}
 
 
+def row_layout(sequences, block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every row `collect` writes, in its order: the sequence it came from and the answer position whose token it
+    predicts (its block's anchor plus its depth)."""
+    sequence, position = [], []
+    for number, row in enumerate(sequences):
+        length, start = len(row["input_ids"]), row["prompt_length"]
+        for anchor in range(start, length - 1, stride):
+            depths = range(1, min(block, length - anchor))
+            sequence.extend([number] * len(depths))
+            position.extend(anchor + depth for depth in depths)
+    return torch.tensor(sequence), torch.tensor(position)
+
+
+def split_by_prompt(prompt_of_row: torch.Tensor, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices (training, held out): the rows of the last `held_out` share of prompts are held out."""
+    cut = torch.quantile(prompt_of_row.float().unique(), 1 - held_out)
+    return ((prompt_of_row.float() <= cut).nonzero().squeeze(-1),
+            (prompt_of_row.float() > cut).nonzero().squeeze(-1))
+
+
 def scores(rows, index, weights, k: int) -> torch.Tensor:
     """The selector's scores [n, k] of rows `index` over their first k candidates, weights as
     (hidden projection, predecessor codebook, successor codebook)."""
@@ -248,19 +268,12 @@ def main():
         started = time.time()
         rows = collect(drafter, target, sequences, args.candidates, args.temperature, args.stride)
         print(f"collected {rows['depth'].shape[0]} rows in {time.time() - started:.0f} s", flush=True)
-        # the held-out split is by prompt: recompute which rows came from which sequence
-        counts = []
-        for row in sequences:
-            length, start = len(row["input_ids"]), row["prompt_length"]
-            counts.append(sum(min(drafter.config.block_size - 1, length - 1 - a)
-                              for a in range(start, length - 1, args.stride)))
-        prompt_of_row = torch.repeat_interleave(torch.tensor([r.get("prompt_index", i) for i, r in
-                                                              enumerate(sequences)]), torch.tensor(counts))
+        # the held-out split is by prompt: which rows came from which sequence
+        sequence_of_row, _ = row_layout(sequences, drafter.config.block_size, args.stride)
+        prompt_of_row = torch.tensor([r.get("prompt_index", i) for i, r in enumerate(sequences)])[sequence_of_row]
         torch.save((rows, prompt_of_row, source), rows_path + ".tmp")
         os.replace(rows_path + ".tmp", rows_path)
-    cut = torch.quantile(prompt_of_row.float().unique(), 1 - args.held_out)
-    held_out = (prompt_of_row.float() > cut).nonzero().squeeze(-1)
-    train = (prompt_of_row.float() <= cut).nonzero().squeeze(-1)
+    train, held_out = split_by_prompt(prompt_of_row, args.held_out)
     print(f"{len(train)} training rows, {len(held_out)} held-out rows", flush=True)
     selector = drafter.candidate_selector
     shipped = [selector.hidden_projection.weight.detach().float(), selector.predecessor_codebook.detach().float(),
