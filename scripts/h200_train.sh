@@ -27,7 +27,8 @@
 # (32: how many of the target's tokens make that distribution; at T = 1 its top 32 hold 0.87 of the mass), BATCH
 # (32 per GPU), MAXLEN (768), LR (6e-4),
 # EPOCHS (none), STEPS (a run of exactly this many steps, the schedule over them and no time budget unless BUDGET is
-# set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3),
+# set: equal budgets for runs that share a GPU; JOB_S still ends each job, the next call resumes), LAYERS (3, or
+# INIT's own; more than INIT's adds layers that start as the identity),
 # HELD_OUT (64 sequences for the tau estimate), RUN (/tmp/run<version>: the run folder; two
 # runs may share one GPU at once, e.g. BLOCK=8 RUN=/tmp/run2-b8 beside the default), INIT2 / INIT1 (a drafter folder
 # to start from instead of scratch, with its own candidates per position; from scratch 16), CANDIDATES (the candidates
@@ -118,6 +119,7 @@ train)
   need "$DATA" "run the data phase first (in this warm lease: /tmp is gone once the machine goes back)"
   run="${RUN:-/tmp/run$version}"; name="$(basename "$run")"  # RUN=/tmp/run2-b8: a second run of one version
   init_var="INIT$version"; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
+  layers=(--layers "${LAYERS:-3}"); [ ${#init[@]} -gt 0 ] && [ -z "${LAYERS:-}" ] && layers=()  # INIT's own
   candidates=(--selector-top-k "${CANDIDATES:-16}")
   [ ${#init[@]} -gt 0 ] && [ -z "${CANDIDATES:-}" ] && candidates=()  # from INIT: the folder's own unless CANDIDATES
   unique=(); [ "${UNIQUE:-1}" = 1 ] && unique=(--unique-anchors)
@@ -131,7 +133,7 @@ train)
   SECONDS=0
   torchrun -m dflash2.cli train "${TARGET[@]}" --prompts "${PROMPTS:-.carry/prompts.jsonl.gz}" --data "$DATA" \
     --out "$run" --device "$DEVICE" --dflash-version "$version" "${init[@]}" "${resume[@]}" \
-    --layers "${LAYERS:-3}" --intermediate-size 1280 --selector-rank 16 "${candidates[@]}" \
+    "${layers[@]}" --intermediate-size 1280 --selector-rank 16 "${candidates[@]}" \
     --block-size "${BLOCK:-16}" --anchors "${ANCHORS:-128}" "${unique[@]}" --batch-size "${BATCH:-32}" \
     --max-length "${MAXLEN:-768}" --lr "${LR:-6e-4}" "${epochs[@]}" --steps "${STEPS:-1000000}" \
     "${budget[@]}" --job-time-limit "$job_s" --held-out "${HELD_OUT:-64}" --eval-every 250 \

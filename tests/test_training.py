@@ -354,7 +354,8 @@ def test_block_size_16_trains_and_its_held_out_tau_rises(tmp_path):
     trained = history[-1]
     assert trained["held_out_anchor_mean"] > untrained["anchor_mean"] + 0.5, (untrained, trained)  # blocks scored
     assert trained["held_out_tau"] > untrained["tau"] + 0.1, (untrained, trained)
-    assert len(history[0]["top1_by_position"]) == 15
+    assert history[0]["step"] == 0 and history[0]["held_out_tau"] == untrained["tau"]  # where the run started
+    assert len(next(h for h in history if "loss" in h)["top1_by_position"]) == 15
 
 
 def test_greedy_walk_against_a_naive_decoding_loop():
@@ -524,3 +525,110 @@ def test_average_of_two_drafters_is_their_weighted_mean_and_refuses_other_config
     with pytest.raises(ValueError, match="selector_top_k"):
         average.main([str(tmp_path / "first"), str(tmp_path / "other"), "--out", str(tmp_path / "never")])
     assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------------------------------------------------ T = 1 agreement
+def test_t1_candidate_agreement_matches_a_naive_loop():
+    generator = torch.Generator().manual_seed(4)
+    n, rows, k, vocab = 5, 4, 3, 7
+    candidates = torch.stack([torch.stack([torch.randperm(vocab, generator=generator)[:k] for _ in range(rows)])
+                              for _ in range(n)])
+    pairs = torch.randn(n, rows, k, k, generator=generator)
+    log_probs = torch.randn(n, rows, vocab, generator=generator).log_softmax(-1)
+    candidate_log_probs = log_probs.gather(2, candidates)
+    truth = torch.where(torch.rand(n, rows, generator=generator) < 0.6, candidates[:, :, 0],
+                        torch.randint(0, vocab, (n, rows), generator=generator))
+    truth[0, 3] = -100
+    coverage, acceptance, reachable = trainer.t1_candidate_agreement(candidates, pairs, candidate_log_probs, truth)
+    for i in range(n):
+        can_reach = True
+        for t in range(rows):
+            p = candidate_log_probs[i, t].exp()
+            assert coverage[i, t] == pytest.approx(float(p.sum()), abs=1e-6)
+            previous = 0
+            if t > 0:
+                hits = [j for j in range(k) if candidates[i, t - 1, j] == truth[i, t - 1]]
+                can_reach = can_reach and bool(hits)
+                previous = hits[0] if hits else 0
+            assert bool(reachable[i, t]) == (can_reach and truth[i, t] >= 0)
+            q = pairs[i, t, previous].softmax(-1)
+            expected = sum(min(float(p[j]), float(q[j])) for j in range(k))
+            assert acceptance[i, t] == pytest.approx(expected, abs=1e-6)
+    assert reachable.any() and not reachable.all()
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_held_out_t1_measures_match_blocks_drafted_one_at_a_time(version):
+    target = _frozen(tiny_target("llama", seed=11))
+    data = self_distilled(target, 3, length=14)
+    drafter = tiny_drafter(target, seed=3, version=version, block_size=4).bind_target(target)
+    token_ids, response_mask = collate(data, 64, 0)
+    layer_ids = drafter.config.target_layer_ids
+    estimate = held_out_acceptance(drafter, target, [(token_ids, response_mask)], layer_ids, torch.device("cpu"))
+    # the same measures, one block at a time, from the target's softmax at each row's position
+    logits = target(input_ids=token_ids).logits.float()
+    features = trainer.target_hidden_features(target, token_ids, layer_ids)
+    drafter.requires_grad_(False)
+    coverage, first, accept_first, accept_reach = [], [], [], []
+    for b in range(token_ids.shape[0]):
+        response = response_mask[b].nonzero().flatten()
+        for anchor in range(int(response[0]) - 1, int(response[-1])):
+            hidden, block_ids = trainer.denoise_blocks(drafter, features[b: b + 1], token_ids[b: b + 1],
+                                                       torch.tensor([[anchor]]))
+            candidates, pairs = drafter.candidate_scores(block_ids[:, :1].flatten(), hidden[0])
+            reach = True
+            for t in range(3):
+                position = anchor + t + 1
+                if position > int(response[-1]):
+                    break
+                p = logits[b, anchor + t].softmax(-1)[candidates[0, t]]
+                previous = 0
+                if t > 0:
+                    hits = (candidates[0, t - 1] == token_ids[b, position - 1]).nonzero().flatten()
+                    reach = reach and len(hits) > 0
+                    previous = int(hits[0]) if len(hits) else 0
+                accept = float(torch.minimum(p, pairs[0, t, previous].softmax(-1)).sum())
+                coverage.append(float(p.sum()))
+                if t == 0:
+                    first.append(float(p.sum()))
+                    accept_first.append(accept)
+                if reach:
+                    accept_reach.append(accept)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert estimate["t1_coverage"] == pytest.approx(mean(coverage), abs=1e-5)
+    assert estimate["t1_coverage_row1"] == pytest.approx(mean(first), abs=1e-5)
+    assert estimate["t1_accept_row1"] == pytest.approx(mean(accept_first), abs=1e-5)
+    assert estimate["t1_accept"] == pytest.approx(mean(accept_reach), abs=1e-5)
+    assert 0 < estimate["t1_accept_row1"] <= estimate["t1_coverage_row1"] < 1 and 0 < estimate["t1_accept"] < 1
+
+
+# ------------------------------------------------------------------------------------------------ deeper drafters
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_deepened_drafter_drafts_as_before_and_its_new_layers_learn(version):
+    from dflash2.training.recipe import deepened
+
+    target = _frozen(tiny_target("llama", seed=11))
+    drafter = tiny_drafter(target, seed=3, version=version, block_size=4).bind_target(target)
+    grown = deepened(drafter, 4).bind_target(target)
+    assert grown.config.num_hidden_layers == 4 and len(grown.config.layer_types) == 4
+    assert deepened(drafter, 2) is drafter
+    with pytest.raises(SystemExit, match="fewer"):
+        deepened(grown, 2)
+    data = self_distilled(target, 2, length=12)
+    token_ids, response_mask = collate(data, 64, 0)
+    features = trainer.target_hidden_features(target, token_ids, drafter.config.target_layer_ids)
+    anchors = sample_anchors(response_mask, 4, torch.Generator().manual_seed(1))
+    before, _ = trainer.denoise_blocks(drafter, features, token_ids, anchors)
+    after, _ = trainer.denoise_blocks(grown, features, token_ids, anchors)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    # the new layers are copies of the last one, silenced at their outputs: one step moves them
+    grown.train()
+    optimizer = torch.optim.AdamW(grown.parameters(), lr=1e-2)
+    loss = drafter_losses(grown, features, token_ids, response_mask, anchors, 2.0)[0]
+    loss.backward()
+    optimizer.step()
+    moved, _ = trainer.denoise_blocks(grown, features, token_ids, anchors)
+    assert not torch.allclose(moved, before)
+    new_layer = dict(grown.layers[3].named_parameters())
+    old_layer = dict(drafter.layers[1].named_parameters())
+    assert any(not torch.equal(new_layer[name], old_layer[name]) for name in new_layer)

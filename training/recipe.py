@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gen-batch-size", type=int, default=256)
     add_distill_arguments(parser, prefix="gen-")
     parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2))
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="drafter layers (default: the --init-from drafter's, else 3); more than the --init-from "
+                             "drafter's adds layers that start as the identity (`deepened`), so training continues "
+                             "from the same drafts with more capacity")
     parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: target's)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per drafted block (default: the --init-from drafter's, else 8); with --init-from "
@@ -93,6 +96,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--init-from", default=None,
                         help="start from this drafter folder (e.g. the shipped one) instead of identity init")
     return parser
+
+
+def deepened(drafter, layers: int):
+    """`drafter` with `layers` decoder layers, drafting exactly as before: each added layer (after the existing ones)
+    is a copy of the last one whose sublayers add nothing to the residual stream yet (DFlash 2: the output side of
+    their convolutions zeroed, base taps and dynamic correction; DFlash 1: their output projections zeroed), so
+    training starts from the same drafts and can grow the new layers from there."""
+    import copy
+
+    from dflash2.modeling_dflash2 import DFlash2DraftModel
+
+    have = drafter.config.num_hidden_layers
+    if layers < have:
+        raise SystemExit(f"dflash2 train: --layers {layers} is fewer than the --init-from drafter's {have}; a drafter "
+                         "cannot be made shallower this way (leave --layers out to keep its depth)")
+    if layers == have:
+        return drafter
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = layers
+    config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * (layers - have)
+    grown = DFlash2DraftModel(config).to(drafter.dtype)
+    grown.load_state_dict(drafter.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer in grown.layers[have:]:
+            layer.load_state_dict(drafter.layers[have - 1].state_dict())
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.base_kernel[1].zero_()
+                    conv.kernel_projection.weight[conv.kernel_projection.out_features // 2:].zero_()
+            if layer.attention_conv is None:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return grown
 
 
 def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -163,7 +199,7 @@ def run(args) -> Path:
     mask_token_id = text.vocab_size - 1
     config = DFlash2Config.for_target(
         target.config,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=args.layers or 3,
         intermediate_size=args.intermediate_size or text.intermediate_size,
         block_size=args.block_size or 8,
         dflash_version=args.dflash_version,
@@ -179,9 +215,10 @@ def run(args) -> Path:
         # no weight depends on the block size or on the candidates per position: either may change
         changed = {name: value for name, value in (("block_size", args.block_size),
                                                     ("selector_top_k", args.selector_top_k)) if value}
-        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32, **changed).bind_target(target)
+        drafter = DFlash2DraftModel.from_pretrained(args.init_from, dtype=torch.float32, **changed)
+        drafter = deepened(drafter, args.layers or drafter.config.num_hidden_layers).bind_target(target)
         log(json.dumps({"init_from": args.init_from, "block_size": drafter.config.block_size,
-                        "selector_top_k": drafter.config.selector_top_k}))
+                        "selector_top_k": drafter.config.selector_top_k, "layers": drafter.config.num_hidden_layers}))
     else:
         drafter = DFlash2DraftModel(config).bind_target(target)
     train_config = TrainConfig(anchors_per_sequence=args.anchors, unique_anchors=args.unique_anchors,

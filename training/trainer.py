@@ -279,32 +279,79 @@ def held_out_chunks(device: torch.device) -> tuple[int, int]:
     return (8, 4096) if device.type == "cuda" else (1, 256)
 
 
+def t1_candidate_agreement(candidates, pairs, target_log_probs, truth):
+    """What a sampled round can take at temperature 1, row by row, along a known answer.
+
+    candidates [n, R, K] and pairs [n, R, K, K] as `DFlash2DraftModel.candidate_scores` returns them;
+    target_log_probs [n, R, K]: the target's log-probabilities (T = 1) of each row's candidates after the answer's
+    prefix; truth [n, R]: the answer's tokens (negative: past its end). Returns, each [n, R]:
+    coverage (the target's mass on the row's candidates: no verification accepts more at that row), acceptance
+    (one draft sampled from the proposal after the answer's previous token is accepted with probability
+    sum_j min(p_j, q_j)) and reachable (the row is in the answer and every earlier row's answer token is among its
+    candidates, so a round can get there; row 0 always can).
+    """
+    p = target_log_probs.float().exp()
+    previous_hit = candidates[:, :-1] == truth[:, :-1].unsqueeze(-1)  # [n, R-1, K]
+    first = torch.zeros_like(truth[:, :1])
+    index = torch.cat([first, previous_hit.long().argmax(-1)], dim=1)  # [n, R]: the previous token's candidate
+    hit_so_far = torch.cat([first.bool().logical_not(), previous_hit.any(-1)], dim=1).long().cumprod(1).bool()
+    reachable = hit_so_far & (truth >= 0)
+    k = candidates.shape[-1]
+    scores = pairs.float().gather(2, index[:, :, None, None].expand(-1, -1, 1, k)).squeeze(2)  # [n, R, K]
+    acceptance = torch.minimum(p, scores.softmax(-1)).sum(-1)
+    return p.sum(-1), acceptance, reachable
+
+
 @torch.no_grad()
 def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
     """The drafter's greedy acceptance on held-out answers, drafted at every response position in one teacher-forced
-    pass (the context of the round at anchor p is the target's hidden states of positions < p, as in decoding).
+    pass (the context of the round at anchor p is the target's hidden states of positions < p, as in decoding), and
+    its agreement with the target sampling at T = 1 (`t1_candidate_agreement`) at the same rows.
 
     Returns {"tau": tokens / forwards of `greedy_walk` over all answers (what decoding these answers measures, prefill
-    included), "anchor_mean": the per-position mean of `estimate_acceptance_length`, "answers": [(tokens, forwards)]}.
+    included), "anchor_mean": the per-position mean of `estimate_acceptance_length`, "answers": [(tokens, forwards)],
+    "t1_coverage" / "t1_coverage_row1": the target's T = 1 mass on the candidates, over all rows in the answers /
+    the first draft row, "t1_accept" / "t1_accept_row1": one sampled draft's chance of acceptance, over the rows a
+    round can reach / the first row}.
     """
     was_training = drafter.training
     drafter.eval()
     block = drafter.config.block_size
     correct_rows, walks = [], []
+    sums = torch.zeros(5, dtype=torch.float64)  # coverage, rows; row 1's coverage, acceptance, rows
+    reach_sums = torch.zeros(2, dtype=torch.float64)  # acceptance over reachable rows, reachable rows
     for token_ids, response_mask in batches:
         anchors = sample_anchors(response_mask, token_ids.shape[1], torch.Generator(), unique=True).to(device)
         token_ids, response_mask = token_ids.to(device), response_mask.to(device)
-        features = target_hidden_features(target, token_ids, layer_ids)
+        features, logits = target_features_and_logits(target, token_ids, layer_ids)
+        log_normaliser = torch.stack([row.float().logsumexp(-1) for row in logits])  # [b, T]
         truth_ids = torch.where(response_mask, token_ids, torch.full_like(token_ids, -100))
         _, _, targets = block_inputs(truth_ids, anchors, block, drafter.config.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             hidden, block_ids = denoise_blocks(drafter, features, token_ids, anchors)
         hidden = hidden.float().flatten(0, 1)  # [b*N, B, H]
         anchor_ids = block_ids.view(-1, block)[:, 0]
-        chunk = held_out_chunks(device)[1]
-        drafts = torch.cat([drafter.propose(anchor_ids[i: i + chunk], hidden[i: i + chunk].to(drafter.dtype)).tokens
-                            for i in range(0, len(anchor_ids), chunk)])
         truth = targets.flatten(0, 1)[:, 1:]
+        truth = torch.where(anchors.flatten().unsqueeze(-1) >= 0, truth, torch.full_like(truth, -100))
+        # block i is sequence i // N's block at anchors.flatten()[i]; its draft row t reads the target after a + t
+        sequence = torch.arange(anchors.numel(), device=device) // anchors.shape[1]
+        row_position = (anchors.flatten().unsqueeze(-1) + torch.arange(block - 1, device=device)).clamp(
+            0, token_ids.shape[1] - 1)  # [b*N, B-1]
+        chunk = held_out_chunks(device)[1]
+        drafts = []
+        for i in range(0, len(anchor_ids), chunk):
+            part = slice(i, i + chunk)
+            rows = hidden[part].to(drafter.dtype)
+            drafts.append(drafter.propose(anchor_ids[part], rows).tokens)
+            candidates, pairs = drafter.candidate_scores(anchor_ids[part], rows)
+            seq, pos = sequence[part].view(-1, 1, 1), row_position[part].unsqueeze(-1)
+            log_probs = logits[seq, pos, candidates].float() - log_normaliser[seq, pos]
+            coverage, acceptance, reachable = t1_candidate_agreement(candidates, pairs, log_probs, truth[part])
+            valid = truth[part] >= 0
+            sums += torch.stack([coverage[valid].sum(), valid.sum(), coverage[:, 0][valid[:, 0]].sum(),
+                                 acceptance[:, 0][valid[:, 0]].sum(), valid[:, 0].sum()]).double().cpu()
+            reach_sums += torch.stack([acceptance[reachable].sum(), reachable.sum()]).double().cpu()
+        drafts = torch.cat(drafts)
         correct = (drafts == truth) & (truth >= 0)  # past the answer's end nothing is accepted
         accepted = torch.cumprod(correct.long(), dim=-1).sum(-1).view(anchors.shape).cpu()
         anchors, response_mask = anchors.cpu(), response_mask.cpu()
@@ -320,12 +367,25 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
     drafter.train(was_training)
     rows = torch.cat(correct_rows) if correct_rows else torch.zeros(0, 1, dtype=torch.bool)
     tokens, forwards = sum(t for t, _ in walks), sum(f for _, f in walks)
+
+    def ratio(total, count):
+        return float(total / count) if count else float("nan")
+
     return {"tau": tokens / forwards if forwards else float("nan"),
-            "anchor_mean": estimate_acceptance_length(rows) if len(rows) else float("nan"), "answers": walks}
+            "anchor_mean": estimate_acceptance_length(rows) if len(rows) else float("nan"), "answers": walks,
+            "t1_coverage": ratio(sums[0], sums[1]), "t1_coverage_row1": ratio(sums[2], sums[4]),
+            "t1_accept": ratio(*reach_sums), "t1_accept_row1": ratio(sums[3], sums[4])}
+
+
+def target_features_and_logits(target, token_ids: torch.Tensor, layer_ids: list[int]):
+    """One target forward: the tapped features [b, T, taps*H] and the next-token logits [b, T, V]."""
+    with torch.no_grad():
+        out = target(input_ids=token_ids, output_hidden_states=True)
+    return tap_target_features(out.hidden_states, layer_ids), out.logits
 
 
 def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    return target_features_and_labels(target, token_ids, layer_ids)[0]
+    return target_features_and_logits(target, token_ids, layer_ids)[0]
 
 
 @dataclass
@@ -351,15 +411,14 @@ class SoftLabels:
 def target_features_and_labels(target, token_ids: torch.Tensor, layer_ids: list[int], top_k: int = 0):
     """One target forward: the tapped features and, with `top_k`, the soft labels (`SoftLabels`) of the target's top-k
     next-token distribution at temperature 1 (None without)."""
-    with torch.no_grad():
-        out = target(input_ids=token_ids, output_hidden_states=True)
-        labels = None
-        if top_k:  # a sequence at a time: a whole batch's fp32 logits and their softmax are 4.8 GB each at batch 32
-            # and 768 tokens (a run with soft labels ran out of GPU memory beside one without, holding 70 GB to its 65)
-            tops = [row.float().softmax(-1).topk(top_k, dim=-1) for row in out.logits]
-            probs, ids = torch.stack([top.values for top in tops]), torch.stack([top.indices for top in tops])
-            labels = SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
-    return tap_target_features(out.hidden_states, layer_ids), labels
+    features, logits = target_features_and_logits(target, token_ids, layer_ids)
+    labels = None
+    if top_k:  # a sequence at a time: a whole batch's fp32 logits and their softmax are 4.8 GB each at batch 32
+        # and 768 tokens (a run with soft labels ran out of GPU memory beside one without, holding 70 GB to its 65)
+        tops = [row.float().softmax(-1).topk(top_k, dim=-1) for row in logits]
+        probs, ids = torch.stack([top.values for top in tops]), torch.stack([top.indices for top in tops])
+        labels = SoftLabels(probs / probs.sum(-1, keepdim=True), ids)
+    return features, labels
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -578,7 +637,8 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     def evaluate(at_step: int, **extra) -> None:
         estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
         record = {"step": at_step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
-                  **extra}
+                  **{f"held_out_{key}": estimate[key] for key in ("t1_coverage", "t1_coverage_row1", "t1_accept",
+                                                                  "t1_accept_row1")}, **extra}
         history.append(record)
         log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}))
 
@@ -615,6 +675,8 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             "peak_gib": None if peak is None else round(peak, 2)}))
 
     step = start_step
+    if held_out_batches and step == 0 and total_steps > 0:
+        evaluate(0)  # where the run starts from (the --init-from drafter, or the initialisation)
     job_started = time.time()
     order_epoch, order = -1, []
     while True:
