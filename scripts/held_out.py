@@ -17,7 +17,7 @@ import torch
 from dflash2.generation import load_target
 from dflash2.modeling_dflash2 import DFlash2DraftModel
 from dflash2.tasks import read_jsonl
-from dflash2.training.recipe import split_held_out
+from dflash2.training.recipe import held_out_prompts
 from dflash2.training.trainer import collate, held_out_acceptance, held_out_chunks
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,10 +32,7 @@ args = parser.parse_args()
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 rows = read_jsonl(args.data)
-held, _ = split_held_out(rows, args.held_out, args.seed)  # the held-out prompts' greedy answers (all, if none)
-if all("prompt_index" in row for row in rows):  # every answer of those prompts
-    prompts = {row["prompt_index"] for row in held}
-    held = [row for row in rows if row["prompt_index"] in prompts]
+held, _ = held_out_prompts(rows, args.held_out, args.seed)  # every answer of the held-out prompts
 scored = [row for row in held if args.answers == "all" or row.get("sampled", False) == (args.answers == "sampled")]
 if not scored:
     raise SystemExit(f"{args.data}: the held-out prompts have no {args.answers} answers")

@@ -632,3 +632,22 @@ def test_a_deepened_drafter_drafts_as_before_and_its_new_layers_learn(version):
     new_layer = dict(grown.layers[3].named_parameters())
     old_layer = dict(drafter.layers[1].named_parameters())
     assert any(not torch.equal(new_layer[name], old_layer[name]) for name in new_layer)
+
+
+def test_sampled_held_out_answers_give_the_t1_measures(tmp_path):
+    target = _frozen(tiny_target("llama", seed=11))
+    greedy = self_distilled(target, 3, length=14)
+    sampled = self_distilled(target, 3, length=14, seed=5)
+    drafter = tiny_drafter(target, seed=3, block_size=4).bind_target(target)
+    cpu = torch.device("cpu")
+    on_greedy = held_out_acceptance(drafter, target, [_batch(greedy)], drafter.config.target_layer_ids, cpu)
+    on_sampled = held_out_acceptance(drafter, target, [_batch(sampled)], drafter.config.target_layer_ids, cpu)
+    config = TrainConfig(anchors_per_sequence=4, batch_size=4, max_length=64, max_steps=0, checkpoint_every=1000)
+    train_data = self_distilled(target, 4, length=14, seed=9)
+    lines = []
+    train(drafter, target, train_data, dataclasses.replace(config, max_steps=1), tmp_path, held_out=greedy,
+          held_out_sampled=sampled, progress=False, log=lines.append)
+    first = json.loads(next(line for line in lines if '"held_out_tau"' in line))
+    assert first["step"] == 0 and first["held_out_t1_on"] == "sampled"
+    assert first["held_out_tau"] == round(on_greedy["tau"], 3)
+    assert first["held_out_t1_accept"] == round(on_sampled["t1_accept"], 3) != round(on_greedy["t1_accept"], 3)

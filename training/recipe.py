@@ -131,10 +131,10 @@ def deepened(drafter, layers: int):
     return grown
 
 
-def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(held-out rows to score, training rows). Whole prompts are held out (all answers of a prompt_index), until at
-    least `count` rows; of those, the greedy answers are scored (the tau estimate is of greedy drafting). Rows without
-    a prompt_index are their own prompt (then this is the old split: shuffle, first `count` rows held out)."""
+def held_out_prompts(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held-out rows, training rows): whole prompts are held out (all answers of a prompt_index), in a seeded order,
+    until at least `count` rows. Rows without a prompt_index are their own prompt (then this is the old split:
+    shuffle, first `count` rows held out)."""
     groups: dict = {}
     for position, row in enumerate(sequences):
         groups.setdefault(row.get("prompt_index", ("row", position)), []).append(row)
@@ -143,6 +143,13 @@ def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[d
     held, rest = [], []
     for key in keys:
         (held if len(held) < count else rest).extend(groups[key])
+    return held, rest
+
+
+def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held-out rows to score, training rows) of `held_out_prompts`: of the held-out rows, the greedy answers are
+    scored (the tau estimate is of greedy drafting), all of them if there are none."""
+    held, rest = held_out_prompts(sequences, count, seed)
     greedy = [row for row in held if not row.get("sampled", False)]
     return (greedy or held), rest
 
@@ -190,7 +197,9 @@ def run(args) -> Path:
                                   batch_size=args.gen_batch_size, **distill_options(args, "gen-"))
         log(json.dumps({"self_distill": summary["sequences"], **summary}))
     sequences = read_jsonl(data_path)  # training.selfdistill's rows {"input_ids", "prompt_length", ...}, .gz or not
-    held_out, sequences = split_held_out(sequences, args.held_out, args.seed)
+    held_all, sequences = held_out_prompts(sequences, args.held_out, args.seed)
+    held_out = [row for row in held_all if not row.get("sampled", False)] or held_all  # scored for greedy tau
+    held_out_sampled = [row for row in held_all if row.get("sampled", False)]  # for the T = 1 measures
     if not sequences:
         raise SystemExit(f"dflash2 train: --held-out {args.held_out} keeps every sequence of {data_path} out of "
                          "training: answer more prompts or hold out fewer")
@@ -228,8 +237,8 @@ def run(args) -> Path:
                                eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,
                                soft_label_weight=args.soft_labels, soft_label_top_k=args.soft_labels_top_k)
     started = time.time()
-    history = train(drafter, target, sequences, train_config, out, held_out=held_out, resume=not args.no_resume,
-                    log=log)
+    history = train(drafter, target, sequences, train_config, out, held_out=held_out,
+                    held_out_sampled=held_out_sampled, resume=not args.no_resume, log=log)
     steps = max((h["step"] for h in history), default=0)
     log(json.dumps({"trained_seconds": round(time.time() - started), "steps": steps}))
     exported = out / "drafter"

@@ -570,8 +570,12 @@ def _reduced_record(terms: dict, loss_share: torch.Tensor, world: int) -> dict:
 
 
 def train(drafter, target, sequences, train_config: TrainConfig, output_dir, held_out=None, resume: bool = True,
-          progress: bool = True, log=print):
+          progress: bool = True, log=print, held_out_sampled=None):
     """Train `drafter` (already bound to `target`) on self-distilled `sequences`. Returns the history of logs.
+
+    `held_out`: answers scored every `eval_every` steps (`held_out_acceptance`: the greedy walk's tau and the T = 1
+    measures); `held_out_sampled`: sampled answers of held-out prompts, which then give the T = 1 measures instead
+    (the contexts sampled decoding meets; the record's `held_out_t1_on` says which answers gave them).
 
     In a process group (torchrun; `training.distributed.init_distributed`) every process calls this with the same
     sequences and a drafter of the same initialisation; process 0 logs, evaluates and writes checkpoints. With
@@ -619,8 +623,12 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     layer_ids = list(drafter.config.target_layer_ids)
     pad_id = drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0
     per_batch = held_out_chunks(device)[0]
-    held_out_batches = [collate(held_out[i: i + per_batch], train_config.max_length, pad_id)
-                        for i in range(0, len(held_out or []), per_batch)] if main else []
+
+    def batches_of(rows):  # process 0 evaluates
+        rows = rows if main and rows else []
+        return [collate(rows[i: i + per_batch], train_config.max_length, pad_id) for i in range(0, len(rows), per_batch)]
+
+    held_out_batches, sampled_batches = batches_of(held_out), batches_of(held_out_sampled)
     local_rows = slice(rank * train_config.batch_size, (rank + 1) * train_config.batch_size)
     history = []
     bar = None
@@ -636,9 +644,11 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
 
     def evaluate(at_step: int, **extra) -> None:
         estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
+        t1 = held_out_acceptance(drafter, target, sampled_batches, layer_ids, device) if sampled_batches else estimate
         record = {"step": at_step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
-                  **{f"held_out_{key}": estimate[key] for key in ("t1_coverage", "t1_coverage_row1", "t1_accept",
-                                                                  "t1_accept_row1")}, **extra}
+                  **{f"held_out_{key}": t1[key] for key in ("t1_coverage", "t1_coverage_row1", "t1_accept",
+                                                            "t1_accept_row1")},
+                  "held_out_t1_on": "sampled" if sampled_batches else "greedy", **extra}
         history.append(record)
         log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}))
 
