@@ -401,7 +401,7 @@ def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, 
     export_drafter(start, tmp_path / "start")
     seen = []
     monkeypatch.setattr(trainer, "train", lambda drafter, *a, **k: seen.append(
-        ((drafter.config.block_size, drafter.config.selector_top_k),
+        ((drafter.config.block_size, drafter.config.selector_top_k, drafter.config.num_hidden_layers),
          {n: w.clone() for n, w in drafter.state_dict().items()})) or [])
     common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.jsonl"), "--data",
               str(tmp_path / "data.jsonl"), "--held-out", "2", "--device", "cpu",
@@ -409,7 +409,10 @@ def test_init_from_continues_a_drafters_weights_at_another_block_size(tmp_path, 
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "same")]))
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "longer"), "--block-size", "16"]))
     recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "wider"), "--selector-top-k", "3"]))
-    assert [sizes for sizes, _ in seen] == [(4, 6), (16, 6), (4, 3)]
+    recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "deeper"), "--layers", "3"]))
+    assert [sizes for sizes, _ in seen] == [(4, 6, 2), (16, 6, 2), (4, 3, 2), (4, 6, 3)]  # the folder's 2 layers
+    with pytest.raises(SystemExit, match="fewer than the --init-from drafter's 2"):
+        recipe.run(build_parser().parse_args(common + ["--out", str(tmp_path / "shallower"), "--layers", "1"]))
     for _, theirs in seen:
         for name, weight in start.state_dict().items():
             torch.testing.assert_close(theirs[name], weight.float(), rtol=0, atol=0)
