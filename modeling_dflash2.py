@@ -153,6 +153,13 @@ class DFlash2DynamicConv(nn.Module):
     def finish(self, z: torch.Tensor, delta_after: torch.Tensor) -> torch.Tensor:
         return dynamic_block_conv(z, self.base_kernel[1], delta_after)
 
+    @torch.no_grad()
+    def silence(self) -> None:
+        """Zero the output side (its base taps and the rows of `kernel_projection` that make its correction):
+        `finish` then returns zeros, whatever the sublayer gives it."""
+        self.base_kernel[1].zero_()
+        self.kernel_projection.weight.unflatten(0, (2, -1))[1].zero_()
+
 
 # ----------------------------------------------------------------------------------------------- attention and layers
 class DFlash2Attention(nn.Module):
@@ -240,6 +247,17 @@ class DFlash2DecoderLayer(nn.Module):
             self.mlp_conv = DFlash2DynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
         else:
             self.attention_conv = self.mlp_conv = None
+
+    @torch.no_grad()
+    def silence(self) -> None:
+        """Make this layer add nothing to the residual stream (it passes its input through), while its sublayers keep
+        their weights: DFlash 2 zeroes the output side of both convolutions, DFlash 1 the output projections."""
+        if self.attention_conv is not None:
+            self.attention_conv.silence()
+            self.mlp_conv.silence()
+        else:
+            self.self_attn.o_proj.weight.zero_()
+            self.mlp.down_proj.weight.zero_()
 
     def _in_blocks(self, x: torch.Tensor) -> torch.Tensor:
         # [b, n*B, H] -> [b, n, B, H]: the convolution never crosses a block boundary

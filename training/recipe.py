@@ -100,8 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def deepened(drafter, layers: int):
     """`drafter` with `layers` decoder layers, drafting exactly as before: each added layer (after the existing ones)
-    is a copy of the last one whose sublayers add nothing to the residual stream yet (DFlash 2: the output side of
-    their convolutions zeroed, base taps and dynamic correction; DFlash 1: their output projections zeroed), so
+    is a copy of the last one that adds nothing to the residual stream yet (`DFlash2DecoderLayer.silence`), so
     training starts from the same drafts and can grow the new layers from there."""
     import copy
 
@@ -118,16 +117,9 @@ def deepened(drafter, layers: int):
     config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * (layers - have)
     grown = DFlash2DraftModel(config).to(drafter.dtype)
     grown.load_state_dict(drafter.state_dict(), strict=False)
-    with torch.no_grad():
-        for layer in grown.layers[have:]:
-            layer.load_state_dict(drafter.layers[have - 1].state_dict())
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                if conv is not None:
-                    conv.base_kernel[1].zero_()
-                    conv.kernel_projection.weight[conv.kernel_projection.out_features // 2:].zero_()
-            if layer.attention_conv is None:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+    for layer in grown.layers[have:]:
+        layer.load_state_dict(drafter.layers[have - 1].state_dict())
+        layer.silence()
     return grown
 
 
@@ -146,12 +138,16 @@ def held_out_prompts(sequences: list[dict], count: int, seed: int) -> tuple[list
     return held, rest
 
 
+def greedy_answers(rows: list[dict]) -> list[dict]:
+    """The rows the tau estimate scores: the greedy answers (it is an estimate of greedy drafting), all rows if none
+    is greedy."""
+    return [row for row in rows if not row.get("sampled", False)] or rows
+
+
 def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(held-out rows to score, training rows) of `held_out_prompts`: of the held-out rows, the greedy answers are
-    scored (the tau estimate is of greedy drafting), all of them if there are none."""
+    """(held-out rows to score, training rows): `greedy_answers` of `held_out_prompts`."""
     held, rest = held_out_prompts(sequences, count, seed)
-    greedy = [row for row in held if not row.get("sampled", False)]
-    return (greedy or held), rest
+    return greedy_answers(held), rest
 
 
 def run(args) -> Path:
@@ -198,7 +194,7 @@ def run(args) -> Path:
         log(json.dumps({"self_distill": summary["sequences"], **summary}))
     sequences = read_jsonl(data_path)  # training.selfdistill's rows {"input_ids", "prompt_length", ...}, .gz or not
     held_all, sequences = held_out_prompts(sequences, args.held_out, args.seed)
-    held_out = [row for row in held_all if not row.get("sampled", False)] or held_all  # scored for greedy tau
+    held_out = greedy_answers(held_all)
     held_out_sampled = [row for row in held_all if row.get("sampled", False)]  # for the T = 1 measures
     if not sequences:
         raise SystemExit(f"dflash2 train: --held-out {args.held_out} keeps every sequence of {data_path} out of "

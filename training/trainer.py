@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash2.generation.export import atomic_folder
-from dflash2.modeling_dflash2 import DFlash2DraftModel, bilinear_scores, tap_target_features
+from dflash2.modeling_dflash2 import DFlash2DraftModel, bilinear_scores, tap_target_features, walk_path
 from dflash2.training.distributed import broadcast_from_main, host_group, rank_and_world
 
 
@@ -292,9 +292,8 @@ def t1_candidate_agreement(candidates, pairs, target_log_probs, truth):
     """
     p = target_log_probs.float().exp()
     previous_hit = candidates[:, :-1] == truth[:, :-1].unsqueeze(-1)  # [n, R-1, K]
-    first = torch.zeros_like(truth[:, :1])
-    index = torch.cat([first, previous_hit.long().argmax(-1)], dim=1)  # [n, R]: the previous token's candidate
-    hit_so_far = torch.cat([first.bool().logical_not(), previous_hit.any(-1)], dim=1).long().cumprod(1).bool()
+    index = F.pad(previous_hit.long().argmax(-1), (1, 0))  # [n, R]: the previous token's candidate (row 0: any)
+    hit_so_far = F.pad(previous_hit.any(-1), (1, 0), value=True).long().cumprod(1).bool()
     reachable = hit_so_far & (truth >= 0)
     k = candidates.shape[-1]
     scores = pairs.float().gather(2, index[:, :, None, None].expand(-1, -1, 1, k)).squeeze(2)  # [n, R, K]
@@ -341,9 +340,9 @@ def held_out_acceptance(drafter, target, batches, layer_ids, device) -> dict:
         drafts = []
         for i in range(0, len(anchor_ids), chunk):
             part = slice(i, i + chunk)
-            rows = hidden[part].to(drafter.dtype)
-            drafts.append(drafter.propose(anchor_ids[part], rows).tokens)
-            candidates, pairs = drafter.candidate_scores(anchor_ids[part], rows)
+            # one LM-head pass gives both: the greedy drafts are the walk through these candidates (as `propose`)
+            candidates, pairs = drafter.candidate_scores(anchor_ids[part], hidden[part].to(drafter.dtype))
+            drafts.append(walk_path(pairs, candidates)[0])
             seq, pos = sequence[part].view(-1, 1, 1), row_position[part].unsqueeze(-1)
             log_probs = logits[seq, pos, candidates].float() - log_normaliser[seq, pos]
             coverage, acceptance, reachable = t1_candidate_agreement(candidates, pairs, log_probs, truth[part])
