@@ -18,7 +18,7 @@ from dflash2.generation import load_target
 from dflash2.modeling_dflash2 import DFlash2DraftModel
 from dflash2.tasks import read_jsonl
 from dflash2.training.recipe import held_out_prompts
-from dflash2.training.trainer import collate, held_out_acceptance, held_out_chunks
+from dflash2.training.trainer import held_out_acceptance, held_out_batches
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", required=True)
@@ -43,9 +43,7 @@ for path in args.drafter:
         target, _ = load_target(drafter.config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         target.to(device).eval()
     drafter.to(device).bind_target(target)
-    per_batch = held_out_chunks(device)[0]
-    pad = drafter.config.pad_token_id or 0
-    batches = [collate(scored[i: i + per_batch], args.max_length, pad) for i in range(0, len(scored), per_batch)]
+    batches = held_out_batches(scored, args.max_length, drafter.config.pad_token_id or 0, device)
     estimate = held_out_acceptance(drafter, target, batches, drafter.config.target_layer_ids, device)
     line = json.dumps({"drafter": path, "answers": args.answers, "sequences": len(scored),
                        **{k: round(v, 4) for k, v in estimate.items() if k != "answers"}})

@@ -12,7 +12,7 @@ import torch
 from training_helpers import save_tiny_target, write_prompt_file
 from dflash2.cli import build_parser
 from dflash2.training import prompts as prompt_sources
-from dflash2.training.recipe import split_held_out
+from dflash2.training.recipe import greedy_answers, held_out_prompts
 from dflash2.tasks import prompt_ids, read_prompts
 from dflash2.training.selfdistill import answer_plan, distill, distill_options
 
@@ -304,7 +304,8 @@ def test_trimmed_conversations_answer_the_same_prompts(tiny):
 
 def test_held_out_prompts_are_whole_and_scored_on_greedy_answers():
     rows = [{"input_ids": [i], "prompt_length": 0, "prompt_index": i // 2, "sampled": bool(i % 2)} for i in range(40)]
-    held_out, training = split_held_out(rows, 5, seed=3)
+    held, training = held_out_prompts(rows, 5, seed=3)
+    held_out = greedy_answers(held)
     held_prompts = {r["prompt_index"] for r in held_out}
     assert len(held_prompts) == 3  # 3 prompts x 2 answers >= 5 rows
     assert not any(r["sampled"] for r in held_out)
@@ -316,7 +317,8 @@ def test_rows_without_prompt_index_split_as_before():
     rows = [{"input_ids": [i], "prompt_length": 0} for i in range(30)]
     shuffled = list(rows)
     random.Random(7).shuffle(shuffled)
-    assert split_held_out(rows, 4, seed=7) == (shuffled[:4], shuffled[4:])
+    assert held_out_prompts(rows, 4, seed=7) == (shuffled[:4], shuffled[4:])
+    assert greedy_answers(shuffled[:4]) == shuffled[:4]  # no row is marked sampled: all are scored
 
 
 def test_later_turns_of_a_conversation():
@@ -441,7 +443,6 @@ def test_the_exported_drafter_of_block_size_16_loads(tmp_path):
 def test_merged_answer_files_keep_every_row_and_move_prompt_indices_apart(tmp_path):
     import gzip
 
-    from dflash2.training.recipe import split_held_out
     from dflash2.tasks import read_jsonl
     from dflash2.training.selfdistill import merge_data_files, write_jsonl
 
@@ -456,7 +457,7 @@ def test_merged_answer_files_keep_every_row_and_move_prompt_indices_apart(tmp_pa
     assert counts == {"sequences": 8, "sampled": 3, "response_tokens": 6 * 2 + 2 * 1, "files": 2}
     assert [r["prompt_index"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 7]  # the second file's past the first's 0-2
     assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in first + second]
-    held, rest = split_held_out(rows, 1, seed=0)  # one prompt's answers stay together
+    held, rest = held_out_prompts(rows, 1, seed=0)  # one prompt's answers stay together
     assert len({r["prompt_index"] for r in held}) == 1 and not {r["prompt_index"] for r in held} & {
         r["prompt_index"] for r in rest}
     assert read_jsonl(tmp_path / "a.jsonl") == first  # the inputs are left as they were

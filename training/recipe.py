@@ -144,12 +144,6 @@ def greedy_answers(rows: list[dict]) -> list[dict]:
     return [row for row in rows if not row.get("sampled", False)] or rows
 
 
-def split_held_out(sequences: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(held-out rows to score, training rows): `greedy_answers` of `held_out_prompts`."""
-    held, rest = held_out_prompts(sequences, count, seed)
-    return greedy_answers(held), rest
-
-
 def run(args) -> Path:
     from dflash2.configuration_dflash2 import DFlash2Config, default_target_layer_ids
     from dflash2.generation import export_drafter, load_target

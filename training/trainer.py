@@ -279,6 +279,12 @@ def held_out_chunks(device: torch.device) -> tuple[int, int]:
     return (8, 4096) if device.type == "cuda" else (1, 256)
 
 
+def held_out_batches(rows: list[dict], max_length: int, pad_id: int, device: torch.device) -> list:
+    """`rows` collated into the batches `held_out_acceptance` takes on `device` (`held_out_chunks`)."""
+    per_batch = held_out_chunks(device)[0]
+    return [collate(rows[i: i + per_batch], max_length, pad_id) for i in range(0, len(rows), per_batch)]
+
+
 def t1_candidate_agreement(candidates, pairs, target_log_probs, truth):
     """What a sampled round can take at temperature 1, row by row, along a known answer.
 
@@ -621,13 +627,11 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
     gamma = train_config.gamma or default_gamma(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)
     pad_id = drafter.config.pad_token_id if drafter.config.pad_token_id is not None else 0
-    per_batch = held_out_chunks(device)[0]
 
     def batches_of(rows):  # process 0 evaluates
-        rows = rows if main and rows else []
-        return [collate(rows[i: i + per_batch], train_config.max_length, pad_id) for i in range(0, len(rows), per_batch)]
+        return held_out_batches(rows if main and rows else [], train_config.max_length, pad_id, device)
 
-    held_out_batches, sampled_batches = batches_of(held_out), batches_of(held_out_sampled)
+    greedy_batches, sampled_batches = batches_of(held_out), batches_of(held_out_sampled)
     local_rows = slice(rank * train_config.batch_size, (rank + 1) * train_config.batch_size)
     history = []
     bar = None
@@ -642,7 +646,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
                 "epoch": at_step // len(buckets), "batch_in_epoch": at_step % len(buckets)}
 
     def evaluate(at_step: int, **extra) -> None:
-        estimate = held_out_acceptance(drafter, target, held_out_batches, layer_ids, device)
+        estimate = held_out_acceptance(drafter, target, greedy_batches, layer_ids, device)
         t1 = held_out_acceptance(drafter, target, sampled_batches, layer_ids, device) if sampled_batches else estimate
         record = {"step": at_step, "held_out_tau": estimate["tau"], "held_out_anchor_mean": estimate["anchor_mean"],
                   **{f"held_out_{key}": t1[key] for key in ("t1_coverage", "t1_coverage_row1", "t1_accept",
@@ -684,7 +688,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             "peak_gib": None if peak is None else round(peak, 2)}))
 
     step = start_step
-    if held_out_batches and step == 0 and total_steps > 0:
+    if greedy_batches and step == 0 and total_steps > 0:
         evaluate(0)  # where the run starts from (the --init-from drafter, or the initialisation)
     job_started = time.time()
     order_epoch, order = -1, []
@@ -715,7 +719,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
             history.append(record)
             log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                             if k != "top1_by_position"}))
-        if held_out_batches and step % train_config.eval_every == 0:
+        if greedy_batches and step % train_config.eval_every == 0:
             evaluate(step)
         if main and step % train_config.checkpoint_every == 0:
             save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config,
@@ -724,7 +728,7 @@ def train(drafter, target, sequences, train_config: TrainConfig, output_dir, hel
         bar.close()
     log(json.dumps({"stopped": reason, "step": step, "planned_steps": total_steps,
                     "time_consumed_s": round(consumed, 1), "epochs": round(step / len(buckets), 3)}))
-    if held_out_batches:
+    if greedy_batches:
         evaluate(step, final=True)
     if main:
         save_checkpoint(drafter, optimizer, step, checkpoint_dir, train_config, checkpoint_state(step, consumed))
