@@ -6,8 +6,8 @@
 Builds a conversation of about `--history-tokens` tokens from offline text (MT-Bench questions as user turns,
 HumanEval prompts as the assistant's answers), lets the model answer it (turn A), then asks one more question (turn B)
 in two ways: with turn A's cache passed back (`past_key_values=out.past_key_values`, the whole conversation's ids) and
-from scratch. For DFlash 2's default loop on one prompt (transformers' assisted loop) and its own loop
-(`cache_implementation="static"`), it reports per way:
+from scratch. For transformers' assisted loop (`loop="transformers"`) and DFlash 2's own loop (the default), it reports
+per way:
 - `encoded_tokens`: the tokens turn B's prefill encodes (the widths of the target forwards of a one-token turn B, listed
   in `prefill_widths`: chunks of at most 2048; a prefill replayed from a captured CUDA graph calls no forward and
   shows none, i.e. None);
@@ -32,7 +32,7 @@ import torch
 from dflash2.modeling_dflash2 import CACHE_NAME
 
 FOLLOW_UP = "Thank you. Now summarise our whole conversation in three sentences."
-LOOPS = {"assisted": {}, "own_loop": {"cache_implementation": "static"}}
+LOOPS = {"assisted": {"loop": "transformers"}, "own_loop": {"loop": "dflash2"}}
 
 
 def long_conversation(tokenizer, history_tokens: int) -> list[dict]:

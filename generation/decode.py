@@ -145,7 +145,7 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     lengths = core.output_length[:batch].tolist()
     outputs = [truncate_at_eos(row[:n], set(eos))[:max_new_tokens]
                for row, n in zip(core.output[:batch].tolist(), lengths)]
-    stats = DFlash2Stats(drafter.config.block_size, rows=batch)
+    stats = DFlash2Stats(drafter.config.block_size, rows=batch, loop="dflash2")
     stats.target_forwards = batch + int(core.rounds[:batch].sum())
     stats.accepted_per_position = core.accepted_per_position[:batch].sum(0).tolist()
     stats.completion_tokens = sum(len(t) for t in outputs)

@@ -1,9 +1,12 @@
 """Hooking a DFlash 2 drafter into `target.generate`: attach / detach, dispatch between the loops, request checks.
 
-After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs
-- one prompt: transformers' assisted loop with our candidate generator (honours every logits processor);
-- one prompt with `cache_implementation="static"`, or a batch: DFlash 2's own loop (`decode.py`: fixed buffers,
-  CUDA graphs on a GPU).
+After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs DFlash 2's own loop
+(`decode.py`: fixed buffers, CUDA graphs and the fused round on a GPU) wherever it is exact for the call: a batch, and
+one prompt whose settings it honours (greedy search, temperature, top-k, top-p, EOS ids, max length, streaming, a
+cache it returned). transformers' assisted loop with our candidate generator takes the rest of the one-prompt calls:
+a target spread over several devices, a target the fixed buffers cannot drive, other logits processors and stopping
+criteria, output scores, a cache from another loop, transformers' own `speculation_type="dflash"`. `loop=` chooses
+explicitly: "dflash2" (the own loop, refusing what it cannot honour) or "transformers" (the assisted loop).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import warnings
 import torch
 
 from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
-from .decode import LoopCache, own_loop_generate, release_runners
+from .decode import LoopCache, own_loop_generate, release_runners, single_device
 from .stats import DFlash2Stats
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
@@ -63,30 +66,34 @@ def attach(drafter, target, use_by_default: bool = False):
             kwargs["assistant_model"] = target._dflash2_drafter
         drafter_in_call = kwargs.get("assistant_model")
         tree_nodes = kwargs.pop("tree_nodes", None)
+        loop = kwargs.pop("loop", None)
         if is_dflash2_drafter(drafter_in_call):
             check_request(target, drafter_in_call, args, kwargs)
+            check_loop(loop, kwargs)
             batch = _batch_size(args, kwargs)
             earlier_cache = kwargs.get("past_key_values", kwargs.get("cache"))  # a conversation's earlier turn
             if batch > 1 and not speculation_pays_at(drafter_in_call, batch, target.device.type):
                 kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
-            elif batch > 1 or kwargs.get("cache_implementation") == "static":
+            elif loop == "dflash2" or batch > 1 or (loop is None and kwargs.get("cache_implementation") == "static"):
                 return _own_loop(target, args, kwargs, tree_nodes)
-            elif tree_nodes:
-                raise ValueError(
-                    f"tree_nodes={tree_nodes}: tree verification runs in DFlash 2's own loop, and one prompt without "
-                    "cache_implementation='static' runs transformers' assisted loop, which verifies one path. Pass "
-                    "cache_implementation='static' too, or drop tree_nodes.")
-            elif isinstance(earlier_cache, LoopCache):
-                raise ValueError(
-                    "This cache comes from DFlash 2's own loop (a batch, or cache_implementation='static'), which "
-                    "keeps it in its own buffers; one prompt without cache_implementation='static' runs transformers' "
-                    "assisted loop, which cannot read it. Continue the conversation with the same settings as the "
-                    "turn that returned the cache.")
-            elif earlier_cache is not None and kwargs.get("speculation_type") != "dflash":
-                with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
-                    return original_generate(*args, **kwargs)
-        elif tree_nodes is not None:
-            raise ValueError(f"tree_nodes={tree_nodes} needs a DFlash 2 drafter as assistant_model; drop tree_nodes.")
+            else:
+                reason = assisted_reason(target, drafter_in_call, args, kwargs, loop)
+                if reason is None:  # one prompt whose settings the own loop honours
+                    return _own_loop(target, args, kwargs, tree_nodes)
+                if tree_nodes:
+                    raise ValueError(
+                        f"tree_nodes={tree_nodes}: tree verification runs in DFlash 2's own loop, and this call runs "
+                        f"transformers' assisted loop ({reason}), which verifies one path. Drop tree_nodes, or what "
+                        "sends the call there.")
+                if isinstance(earlier_cache, LoopCache):
+                    raise ValueError(
+                        "This cache comes from DFlash 2's own loop, which keeps it in its own buffers; this call runs "
+                        f"transformers' assisted loop ({reason}), which cannot read it. Continue the conversation "
+                        "with the same settings as the turn that returned the cache.")
+                return _assisted_loop(target, original_generate, args, kwargs, earlier_cache, reason)
+        elif tree_nodes is not None or loop is not None:
+            name = "tree_nodes" if tree_nodes is not None else "loop"
+            raise ValueError(f"{name}= needs a DFlash 2 drafter as assistant_model; drop {name}.")
         return original_generate(*args, **kwargs)
 
     target._get_candidate_generator = _get_candidate_generator
@@ -118,6 +125,20 @@ def detach(target):
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
+def _assisted_loop(target, original_generate, args, kwargs, earlier_cache, reason: str):
+    """One prompt in transformers' assisted loop with our candidate generator; `last_stats.loop_reason` says why."""
+    drafter = kwargs["assistant_model"]
+    if earlier_cache is not None and kwargs.get("speculation_type") != "dflash":
+        with encode_only_uncached(target):  # a later turn's cache: encode only the new ids
+            out = original_generate(*args, **kwargs)
+    else:
+        out = original_generate(*args, **kwargs)
+    stats = getattr(drafter, "last_stats", None)
+    if stats is not None:
+        stats.loop_reason = reason
+    return out
+
+
 def _own_loop(target, args, kwargs, tree_nodes=None):
     """A batch, or one prompt with cache_implementation='static': DFlash 2's own fixed-buffer loop."""
     cache = kwargs.pop("past_key_values", kwargs.pop("cache", None))
@@ -126,8 +147,49 @@ def _own_loop(target, args, kwargs, tree_nodes=None):
                              past_key_values=cache, tree_nodes=tree_nodes)
 
 
-def _split_generate_call(target, args, kwargs):
-    """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call."""
+LOOPS = ("dflash2", "transformers")
+
+
+def check_loop(loop, kwargs) -> None:
+    """`loop=`: None (DFlash 2's own loop wherever it is exact for the call), "dflash2" or "transformers"."""
+    if loop not in (None,) + LOOPS:
+        raise ValueError(f"loop={loop!r}: use 'dflash2' (DFlash 2's own loop), 'transformers' (transformers' assisted "
+                         "loop) or leave it out (the own loop wherever it is exact for the call).")
+    if loop == "dflash2" and kwargs.get("speculation_type") == "dflash":
+        raise ValueError("loop='dflash2' with speculation_type='dflash': transformers' built-in DFlash path runs in its "
+                         "assisted loop. Drop one of them.")
+
+
+def assisted_reason(target, drafter, args, kwargs, loop) -> str | None:
+    """Why a one-prompt call runs transformers' assisted loop (None: the own loop takes it)."""
+    from .round_core import check_target_fits
+
+    if loop == "transformers":
+        return "loop='transformers'"
+    if kwargs.get("speculation_type") is not None:
+        return f"speculation_type={kwargs['speculation_type']!r}"
+    earlier_cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if earlier_cache is not None and not isinstance(earlier_cache, LoopCache):
+        return f"a cache the own loop did not return ({type(earlier_cache).__name__})"
+    if not single_device(target, drafter):
+        return "the target is spread over several devices"
+    try:
+        check_target_fits(target)
+    except ValueError as error:
+        return str(error)
+    call = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}  # the own loop takes its own
+    *_, config, unknown = _split_generate_call(target, args, call, strict=False)
+    if unknown:
+        return f"arguments the own loop does not take: {sorted(unknown)}"
+    settings = unsupported_settings(config)
+    if settings:
+        return f"settings the own loop does not honour: {settings}"
+    return None
+
+
+def _split_generate_call(target, args, kwargs, strict: bool = True):
+    """(drafter, input_ids, attention_mask, streamer, compile flag, generation config) of a generate call; with
+    `strict=False` also the arguments the own loop does not take (else they raise)."""
     # custom_generate forwards every argument of generate, most of them None or empty: those ask for nothing.
     # A None that overrides a generation-config field (eos_token_id=None) does ask for something: keep it.
     config_fields = set(target.generation_config.to_dict())
@@ -145,10 +207,16 @@ def _split_generate_call(target, args, kwargs):
     # defaults, so that the own loop samples from what plain `generate` samples from (top_k=50 where a sampling call
     # leaves top_k unset)
     config, unknown = target._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    if not strict:
+        return drafter, inputs, attention_mask, streamer, compile_flag, config, unknown
     if unknown:
-        raise ValueError(f"DFlash 2's own loop does not take {sorted(unknown)}; drop them (or use one prompt without "
-                         "cache_implementation='static' for transformers' assisted loop).")
-    _refuse_unsupported_processors(config)
+        raise ValueError(f"DFlash 2's own loop does not take {sorted(unknown)}; drop them (or pass one prompt with "
+                         "loop='transformers' for transformers' assisted loop).")
+    settings = unsupported_settings(config)
+    if settings:
+        raise ValueError(f"DFlash 2's own loop supports temperature, top_k and top_p only; got {settings}. Pass one "
+                         "prompt with loop='transformers' for transformers' assisted loop, which honours every logits "
+                         "processor.")
     return drafter, inputs, attention_mask, streamer, compile_flag, config
 
 
@@ -166,16 +234,31 @@ def speculation_pays_at(drafter, batch: int, device_type: str) -> bool:
     return False
 
 
-def _refuse_unsupported_processors(config) -> None:
-    """DFlash 2's own loop warps with temperature, top-k and top-p; anything else needs transformers' loop."""
-    names = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "typical_p",
-             "epsilon_cutoff", "eta_cutoff", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
-    found = {name: getattr(config, name, None) for name in names}
-    found = {k: v for k, v in found.items() if v not in (None, 1.0, 0, 0.0, [], ())}
-    if found:
-        raise ValueError(f"DFlash 2's own loop supports temperature, top_k and top_p only; got {found}. Use one "
-                         "prompt without cache_implementation='static' for transformers' loop, which honours every "
-                         "logits processor.")
+# Generation settings the own loop honours, or that do not change what is generated (cache and compile choices, the
+# assisted loop's draft-length controls, beam-search-only knobs); any other setting counts only at its neutral value.
+OWN_LOOP_SETTINGS = frozenset({
+    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
+    "bos_token_id", "decoder_start_token_id", "return_dict_in_generate", "use_cache", "cache_implementation",
+    "cache_config", "compile_config", "disable_compile", "max_cache_len", "prefill_chunk_size", "low_memory",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+    "target_lookbehind", "is_assistant", "early_stopping", "length_penalty", "continuous_batching_config",
+    "transformers_version", "_from_model_config",
+})
+NEUTRAL_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "typical_p": 1.0,
+                    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "min_length": 0,
+                    "min_new_tokens": 0, "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1,
+                    "guidance_scale": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0}
+
+
+def unsupported_settings(config) -> dict:
+    """The settings of a prepared generation config that DFlash 2's own loop does not honour (warps with
+    temperature, top-k and top-p only; returns no scores), with their values."""
+    found = {}
+    for name, value in config.to_dict().items():
+        if name in OWN_LOOP_SETTINGS or value in (None, False, [], (), {}) or value == NEUTRAL_SETTINGS.get(name):
+            continue
+        found[name] = value
+    return found
 
 
 def record_stats_of(generator, drafter, prompt_length: int) -> None:

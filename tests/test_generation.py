@@ -64,7 +64,7 @@ def test_greedy_equals_plain_greedy(arch, identity, seed, oracle):
         ids = torch.randint(4, VOCAB, (1, prompt_length), generator=torch.Generator().manual_seed(seed * 100 + case))
         reference = plain_greedy(target, ids, max_new_tokens=max_new)
         oracle["reference"] = reference
-        speculative = plain_greedy(target, ids, max_new_tokens=max_new, assistant_model=drafter)
+        speculative = plain_greedy(target, ids, max_new_tokens=max_new, assistant_model=drafter, loop="transformers")
         assert torch.equal(speculative, reference), (case, prompt_length, max_new)
         stats = drafter.last_stats
         assert stats.completion_tokens == reference.shape[1] - prompt_length
@@ -76,7 +76,7 @@ def test_oracle_drafts_raise_acceptance(oracle):
     drafter = tiny_drafter(target, block_size=8).attach(target)
     ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     oracle["reference"] = plain_greedy(target, ids, max_new_tokens=40)
-    plain_greedy(target, ids, max_new_tokens=40, assistant_model=drafter)
+    plain_greedy(target, ids, max_new_tokens=40, assistant_model=drafter, loop="transformers")
     stats = drafter.last_stats
     assert stats.acceptance_length > 2.0
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1] > 0
@@ -97,7 +97,8 @@ def test_greedy_stops_at_eos_inside_a_block(arch, oracle):
     drafter = tiny_drafter(target, block_size=8).attach(target)
     reference = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=eos)
     oracle["reference"] = free_run  # the oracle happily drafts past the EOS
-    speculative = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=eos, assistant_model=drafter)
+    speculative = plain_greedy(target, ids, max_new_tokens=30, eos_token_id=eos, assistant_model=drafter,
+                               loop="transformers")
     assert torch.equal(speculative, reference)
     assert speculative[0, -1].item() == eos
 
@@ -124,13 +125,13 @@ def test_a_drafter_loaded_with_another_block_size_drafts_that_block_and_stays_lo
     ids = torch.tensor([[5, 9, 14, 20, 7, 31, 2, 11]])
     plain = plain_greedy(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=24)
     oracle["reference"] = plain
-    for extra in ({}, {"cache_implementation": "static"}):
+    for extra in ({"loop": "transformers"}, {"cache_implementation": "static"}):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                               assistant_model=drafter, **extra)
         assert torch.equal(out, plain), extra
         stats = drafter.last_stats
         assert stats.block_size == 4 and len(stats.accepted_per_position) == 3, extra
-        if not extra:  # the oracle (assisted loop only) makes some drafts right: rounds accepted several tokens
+        if "loop" in extra:  # the oracle (assisted loop only) makes some drafts right: rounds accepted several tokens
             assert stats.target_forwards < plain.shape[1] - ids.shape[1]
     with pytest.raises(ValueError, match="block_size=1; a block needs the anchor plus at least one mask"):
         DFlash2Drafter.from_pretrained(tmp_path / "drafter", dtype=torch.float32, block_size=1)
@@ -293,7 +294,8 @@ FRESH_PROCESS = textwrap.dedent("""
     drafter.attach(target)
     out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
     assert torch.equal(out, reference), (out, reference)
-    assert drafter.last_stats.target_forwards > 0
+    assert drafter.last_stats.target_forwards > 0 and drafter.last_stats.loop == "dflash2"
+    drafter.release()
     # (a') compile="background": the child that compiles the round imports these flat remote-code files too
     import os, tempfile
     # a fresh folder inside the run's own cache (removed with it)
@@ -362,4 +364,6 @@ def test_target_dispatched_by_device_map_with_offloaded_layers(tmp_path, oracle)
     reference = plain_greedy(reference_model, ids, max_new_tokens=16)
     oracle["reference"] = reference
     assert torch.equal(plain_greedy(target, ids, max_new_tokens=16, assistant_model=drafter), reference)
+    assert drafter.last_stats.loop == "transformers"  # chosen by itself: the own loop's buffers need one device
+    assert "spread over several devices" in drafter.last_stats.loop_reason
     assert drafter.last_stats.accepted_per_position[0] > 0

@@ -12,7 +12,7 @@ from dflash2.modeling_dflash2 import CACHE_NAME
 from dflash2.training.decoding import left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
-TURNS = {"assisted": {}, "static": {"cache_implementation": "static"}}
+TURNS = {"assisted": {"loop": "transformers"}, "static": {"cache_implementation": "static"}}
 NEW_TOKENS = 10
 
 
@@ -181,16 +181,17 @@ def test_unusable_caches_get_one_clear_error():
     own = target.generate(ids, cache_implementation="static", **settings)
     conversation = torch.cat([own.sequences, torch.tensor([[7, 8]])], dim=1)
     with pytest.raises(ValueError, match="own loop.*same settings"):
-        target.generate(conversation, past_key_values=own.past_key_values, **settings)
+        target.generate(conversation, past_key_values=own.past_key_values, loop="transformers", **settings)
     other = tiny_target("llama", seed=4, layers=4).generate(ids, max_new_tokens=4, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="has 4 layers and the target 6"):
         target.generate(torch.cat([other.sequences, torch.tensor([[7, 8]])], dim=1),
                         past_key_values=other.past_key_values, **settings)
-    assisted = target.generate(ids, **settings)
-    mask = torch.ones(1, assisted.sequences.shape[1] + 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="whole conversation"):  # only the new ids, with the whole mask
-        target.generate(torch.tensor([[7, 8]]), attention_mask=mask, past_key_values=assisted.past_key_values,
-                        **settings)
+    for loop in ("transformers", "dflash2"):
+        turn = target.generate(ids, loop=loop, **settings)
+        mask = torch.ones(1, turn.sequences.shape[1] + 2, dtype=torch.long)
+        with pytest.raises(ValueError, match="whole conversation"):  # only the new ids, with the whole mask
+            target.generate(torch.tensor([[7, 8]]), attention_mask=mask, past_key_values=turn.past_key_values,
+                            loop=loop, **settings)
 
 
 def test_own_loop_follow_up_with_other_sampling_settings_continues_the_cache():

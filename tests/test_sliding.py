@@ -233,7 +233,7 @@ def test_assisted_loop_equals_plain_greedy_and_reference(case, monkeypatch):
     monkeypatch.setattr(DFlash2CandidateGenerator, "get_candidates", oracle_get_candidates)
     ids = torch.tensor([prompt])
     out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
-                          max_new_tokens=20, eos_token_id=None)
+                          max_new_tokens=20, eos_token_id=None, loop="transformers")
     assert out[0, len(prompt):].tolist() == reference
     assert drafter.last_stats.accepted_per_position[0] > 0
     check_against_reference(target, drafter, records, [prompt + reference])

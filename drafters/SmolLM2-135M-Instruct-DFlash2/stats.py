@@ -10,6 +10,8 @@ class DFlash2Stats:
     """What one `generate` call did. `acceptance_length` (tau) = completion tokens / target forwards (prefill included).
 
     For a batch every count is per row (`rows` sequences): tau is then the mean tokens a row gains per verification.
+    `loop` names the loop that ran the call: "dflash2" (DFlash 2's own loop) or "transformers" (transformers'
+    assisted loop), with `loop_reason` saying why a call went to transformers' loop.
     """
 
     block_size: int
@@ -17,6 +19,8 @@ class DFlash2Stats:
     target_forwards: int = 0
     completion_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    loop: str = "transformers"
+    loop_reason: str | None = None
 
     def __post_init__(self):
         if not self.accepted_per_position:
