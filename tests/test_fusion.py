@@ -93,6 +93,24 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_child_builds_at_the_callers_thread_count(tmp_path):
+    """torch's thread count is part of a compiled round's guards: the child compiles at the caller's count (it sets it
+    before anything else), and packages built at other counts have other keys."""
+    core = prefilled_core(20)
+    spec = fusion.spec_of(core)
+    assert spec["threads"] == torch.get_num_threads()
+    other = {**spec, "threads": spec["threads"] + 1}
+    assert fusion.package_key(other) != fusion.package_key(spec)
+    other["bucketed_prefill"] = not spec["bucketed_prefill"]  # refused before any compile (see the test above)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="other state tensors"):
+            fusion.build_package(other, tmp_path / "fused.round")
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     core = prefilled_core(20)
