@@ -279,7 +279,7 @@ def command_precompile(args) -> None:
             print(f"batch {batch}, {capacity} columns: {drafter.round_kind(1 << (batch - 1).bit_length())}", flush=True)
 
 
-CACHE_FOLDERS = ("fused-rounds", "targets")  # what dflash2 writes under its cache folder
+CACHE_FOLDERS = ("fused-rounds", "targets", "packages")  # what dflash2 writes under its cache folder
 
 
 def command_cache(args) -> None:
@@ -291,7 +291,12 @@ def command_cache(args) -> None:
     entries = sorted(path for folder in CACHE_FOLDERS if (root / folder).is_dir() for path in (root / folder).iterdir())
     if args.action == "clear":
         for path in entries:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            if path.parent.is_symlink():  # a linked folder's files are not dflash2's: the link goes, they stay
+                path.parent.unlink(missing_ok=True)
+            elif path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         print(f"removed {len(entries)} entries from {root}")
         return
     total = 0
@@ -355,9 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     precompile.set_defaults(run=command_precompile)
 
     cache = commands.add_parser("cache", help="list or clear what dflash2 keeps in its cache folder",
-                                description="Fused rounds, their build logs and notes, and converted GGUF targets, "
-                                            "under DFLASH2_CACHE (default ~/.cache/dflash2). All of it is rebuilt "
-                                            "when needed.")
+                                description="Fused rounds, their build logs and notes, converted GGUF targets and "
+                                            "fetched data files, under DFLASH2_CACHE (default ~/.cache/dflash2). All "
+                                            "of it is rebuilt or fetched again when needed.")
     cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="what to do")
     cache.set_defaults(run=command_cache)
 

@@ -93,9 +93,9 @@ def add_model_arguments(parser, max_new_tokens: int = 128) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="sample within the K most likely tokens "
                         "(when sampling; 0: no cut; transformers' generate cuts at 50 when a call leaves top_k out)")
     parser.add_argument("--threads", type=thread_count, default="auto",
-                        help="CPU threads for torch on --device cpu; auto: the cores other work leaves idle when the "
-                             "command starts (a busy core shared by two threads slows every step several times), "
-                             "or OMP_NUM_THREADS when set")
+                        help="CPU threads for torch on --device cpu; auto: torch's default, OMP_NUM_THREADS when set, "
+                             "else one per core (on a machine busy with other work, fewer threads can be faster: a "
+                             "core shared by two threads slows every step several times)")
 
 
 def sampling_kwargs(temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
@@ -119,17 +119,12 @@ def resolve_device_and_dtype(device: str, dtype: str):
 
 
 def cpu_threads(threads: str = "auto") -> int:
-    """torch's CPU threads for `--threads`: the number given; for auto, OMP_NUM_THREADS when set, else the cores that
-    other processes leave idle (by the 1-minute load average), at least 1 and at most torch's default."""
+    """torch's CPU threads for `--threads`: the number given; for auto, torch's default (OMP_NUM_THREADS when set,
+    else one per core). Chosen the same way on every run, never from the machine's load: a fused round is compiled
+    for one thread count, and `dflash2 precompile` and later commands must agree on it."""
     import torch
 
-    if threads != "auto":
-        return int(threads)
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(torch.get_num_threads(), cores - round(busy)))
+    return torch.get_num_threads() if threads == "auto" else int(threads)
 
 
 def check_device(device: str) -> None:

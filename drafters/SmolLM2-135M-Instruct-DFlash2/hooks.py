@@ -17,8 +17,8 @@ import warnings
 import torch
 
 from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
-from .decode import LoopCache, own_loop_generate, release_runners, single_device
-from .stats import DFlash2Stats
+from .decode import LoopCache, check_left_padded, own_loop_generate, release_runners, single_device
+from .stats import DFlash2Stats, truncate_at_eos
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
 # beyond it the verification of batch x block tokens stops being latency-bound and speculation costs time.
@@ -73,7 +73,7 @@ def attach(drafter, target, use_by_default: bool = False):
             batch = _batch_size(args, kwargs)
             earlier_cache = kwargs.get("past_key_values", kwargs.get("cache"))  # a conversation's earlier turn
             if batch > 1 and not speculation_pays_at(drafter_in_call, batch, target.device.type):
-                kwargs.pop("assistant_model")  # plain batched decoding: faster than speculating at this batch size
+                return _plain_batch(original_generate, target, args, kwargs)  # faster than speculating at this size
             elif loop == "dflash2" or batch > 1 or (loop is None and kwargs.get("cache_implementation") == "static"):
                 return _own_loop(target, args, kwargs, tree_nodes)
             else:
@@ -145,6 +145,20 @@ def _own_loop(target, args, kwargs, tree_nodes=None):
     drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
     return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag,
                              past_key_values=cache, tree_nodes=tree_nodes)
+
+
+def _plain_batch(original_generate, target, args, kwargs):
+    """A batch above the speculative batch limit: plain batched decoding, described in the drafter's `last_stats`."""
+    drafter = kwargs.pop("assistant_model")
+    output = original_generate(*args, **kwargs)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    config = kwargs.get("generation_config") or target.generation_config
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = set() if eos is None else {int(eos)} if isinstance(eos, int) else {int(i) for i in eos}
+    new_tokens = sequences[:, _inputs_of(args, kwargs).shape[1]:].tolist()
+    tokens = sum(len(truncate_at_eos(row, eos)) for row in new_tokens)
+    drafter.last_stats = DFlash2Stats.of_plain_decoding(drafter.config.block_size, len(new_tokens), tokens)
+    return output
 
 
 LOOPS = ("dflash2", "transformers")
@@ -299,7 +313,7 @@ def check_request(target, drafter, args, kwargs) -> None:
             f"DFlash 2 speculative decoding returns one sequence per prompt (num_return_sequences={num_sequences}). "
             "Repeat the prompt in the batch instead, or drop assistant_model."
         )
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    inputs = _inputs_of(args, kwargs)
     if inputs is None or not hasattr(inputs, "dim") or inputs.dim() != 2:
         return
     if inputs.shape[1] == 0:
@@ -314,7 +328,10 @@ def check_request(target, drafter, args, kwargs) -> None:
             f"The prompt has {inputs.shape[1]} tokens, more than the target's max_position_embeddings={limit}. "
             f"Shorten it to fewer than {limit} tokens, e.g. tokenizer(..., truncation=True, max_length={limit - 1})."
         )
-    if inputs.shape[0] > 1 and kwargs.get("attention_mask") is None:
+    mask = kwargs.get("attention_mask")
+    if mask is not None:  # every loop, plain batched decoding above the speculative batch limit included
+        check_left_padded(mask)
+    elif inputs.shape[0] > 1:
         _refuse_padding_without_mask(inputs, kwargs.get("pad_token_id", getattr(config, "pad_token_id", None)))
 
 
@@ -336,6 +353,10 @@ def _refuse_padding_without_mask(inputs, pad) -> None:
             )
 
 
+def _inputs_of(args, kwargs):
+    return args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+
+
 def _batch_size(args, kwargs) -> int:
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    inputs = _inputs_of(args, kwargs)
     return inputs.shape[0] if inputs is not None and hasattr(inputs, "shape") and inputs.dim() == 2 else 1
