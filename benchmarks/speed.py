@@ -14,7 +14,9 @@ Reports, in one process on one machine:
 - the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
   the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
 Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
-verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `plain` (compiled `generate` with a
+verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `dflash2-card` (the model card's call:
+one prompt, default kwargs, no `cache_implementation`), `dflash2-assisted` (transformers' assisted loop,
+`loop="transformers"`), `plain` (compiled `generate` with a
 static cache) and `plain-graph`, the expert baseline: a plain loop with the step captured as a CUDA graph, no
 `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
 first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
@@ -110,7 +112,8 @@ def main(argv=None):
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--sections", default="cold,steady,round,settings,sweep,batches",
                         help="comma-separated parts to run (cold = cold start and first pass; settings = a new "
-                             "sampling setting's first call against its second)")
+                             "sampling setting's first call against its second; assisted = where a round of "
+                             "transformers' assisted loop spends its time)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each part)")
     parser.add_argument("--merge", nargs=2, metavar=("DFLASH2_JSON", "PLAIN_JSON"), default=None,
                         help="load no model: merge the reports of a `--methods dflash2` and a `--methods plain` "
@@ -143,6 +146,9 @@ def main(argv=None):
                                **({"compile": False} if args.no_fusion else {}))}
     methods["dflash2-path"] = dict(methods["dflash2"], tree_nodes=0)
     methods["dflash2-tree"] = dict(methods["dflash2"], tree_nodes=args.tree_nodes)
+    # the model card's call: one prompt, default kwargs (no cache_implementation); and transformers' assisted loop
+    methods["dflash2-card"] = {k: v for k, v in methods["dflash2"].items() if k != "cache_implementation"}
+    methods["dflash2-assisted"] = dict(assistant_model=drafter, loop="transformers")
     results = {"settings": {"command": command_line("dflash2.benchmarks.speed", argv),
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             "dtype": str(drafter.dtype), "torch": torch.__version__,
@@ -168,23 +174,24 @@ def main(argv=None):
     # of HumanEval), then every prompt once, as a user's first minutes go.
     sections = set(args.sections.split(","))
     selected = args.methods.split(",")
-    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2", "plain-graph"]
-             if m in selected]
+    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2", "plain-graph", "dflash2-card",
+                         "dflash2-assisted"] if m in selected]
     cold, first_pass = {}, []
     for method in order if "cold" in sections else []:
         _, seconds, tokens, _ = call(method, encoded[tasks[0]][0])
         cold[method] = {"first_call_s": round(seconds, 3), "tokens": tokens,
                         "since_process_start_s": round(time.perf_counter() - PROCESS_STARTED, 2)}
-        if method == "dflash2":
+        if method in ("dflash2", "dflash2-card"):
             cold[method]["round"] = round_kind(drafter, 1)
         for task, items in encoded.items():
             for index, ids in enumerate(items):
                 _, seconds, tokens, _ = call(method, ids)
                 first_pass.append({"method": method, "task": task, "s": round(seconds, 4), "tokens": tokens,
                                    "prompt": index + skips[task],
-                                   "round": round_kind(drafter, 1) if method == "dflash2" else None})
+                                   "round": round_kind(drafter, 1) if method in ("dflash2", "dflash2-card") else None})
     results["cold_start"] = {"order": order, **cold}
     results["first_pass"] = first_pass
+    results["first_pass_tokens_per_s"] = first_pass_rates(first_pass)
     print("cold start:", json.dumps(results["cold_start"]), flush=True)
     save(results, args.out)
     runner = None
@@ -228,6 +235,10 @@ def main(argv=None):
                 entry["identical_outputs_bf16"] = f"{agree}/{len(items)}"
         entry.update(against_plain_graph(entry, compare_outputs=not sampling["do_sample"]))
         entry.update(tree_over_path(entry))
+        for method in ("dflash2-card", "dflash2-assisted"):
+            if method in entry and "dflash2" in entry:
+                entry[f"{method}_over_own_loop"] = round(entry[method]["tokens_per_s"] / entry["dflash2"]["tokens_per_s"],
+                                                         3)
         entry["by_category"] = by_category(entry, categories[task])
         steady[task] = entry
         shown = {m: {k: v for k, v in e.items() if k not in ("outputs", "per_prompt")} if isinstance(e, dict) else e
@@ -240,6 +251,10 @@ def main(argv=None):
     if "round" in sections and runner is not None:
         measure_round(results, call, encoded, drafter, device)
         save(results, args.out)
+    if "assisted" in sections:
+        results["assisted_round_split"] = assisted_round_split(call, encoded, target, device)
+        print("assisted loop, per round:", json.dumps(results["assisted_round_split"]), flush=True)
+        save(results, args.out)
     if "settings" in sections and runner is not None:
         results["settings_change"] = settings_change(call, encoded, drafter)
         save(results, args.out)
@@ -250,6 +265,69 @@ def main(argv=None):
         results["batches"] = batches(args, encoded, target, drafter, device, methods, {**common, **sampling}, pad,
                                      selected)
     return finish(results, args.out)
+
+
+def first_pass_rates(first_pass: list[dict]) -> dict:
+    """Tokens/s of each method over its first pass (every prompt once, right after its cold start)."""
+    rates = {}
+    for method in dict.fromkeys(row["method"] for row in first_pass):
+        rows = [row for row in first_pass if row["method"] == method]
+        rates[method] = round(sum(r["tokens"] for r in rows) / sum(r["s"] for r in rows), 2)
+    if "dflash2-card" in rates and "dflash2" in rates:
+        rates["dflash2-card_over_own_loop"] = round(rates["dflash2-card"] / rates["dflash2"], 3)
+    return rates
+
+
+def assisted_round_split(call, encoded, target, device) -> dict:
+    """Where a round of transformers' assisted loop (`loop="transformers"`) spends its time, per round in ms: drafting
+    (our candidate generator's `get_candidates`), the target's verification forward, and the rest of transformers'
+    loop (acceptance, cache crop, stopping criteria, host reads). Every prompt once, after a short call of the same
+    shape; each part is timed between device synchronisations, which adds a little to the whole."""
+    from dflash2.generation import DFlash2CandidateGenerator
+
+    spent = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed_part(part, function):
+        def wrapper(*args, **kwargs):
+            sync()
+            started = time.perf_counter()
+            out = function(*args, **kwargs)
+            sync()
+            spent[part if part != "forward" else ("verify" if forwards[0] else "prefill")] += (
+                time.perf_counter() - started)
+            return out
+        return wrapper
+
+    get_candidates = DFlash2CandidateGenerator.get_candidates
+    total, rounds, calls, forwards = 0.0, 0, 0, [0]
+    try:
+        DFlash2CandidateGenerator.get_candidates = timed_part("draft", get_candidates)
+        for items in encoded.values():
+            for ids in items:
+                call("dflash2-assisted", ids, max_new_tokens=2)  # untimed: this prompt's shapes once
+                forwards[0] = 0
+                forward = timed_part("forward", target.forward)
+
+                def counted(*args, **kwargs):
+                    out = forward(*args, **kwargs)
+                    forwards[0] += 1
+                    return out
+
+                target.forward = counted
+                try:
+                    _, seconds, _, stats = call("dflash2-assisted", ids)
+                finally:
+                    del target.forward
+                total, rounds, calls = total + seconds, rounds + stats.drafting_rounds, calls + 1
+    finally:
+        DFlash2CandidateGenerator.get_candidates = get_candidates
+    rounds = max(rounds, 1)
+    rest = total - spent["draft"] - spent["verify"] - spent["prefill"]
+    return {"calls": calls, "rounds": rounds, "round_ms": round(1000 * (total - spent["prefill"]) / rounds, 3),
+            "draft_ms": round(1000 * spent["draft"] / rounds, 3), "verify_ms": round(1000 * spent["verify"] / rounds, 3),
+            "rest_ms": round(1000 * rest / rounds, 3),
+            "prefill_ms_per_call": round(1000 * spent["prefill"] / max(calls, 1), 3)}
 
 
 def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:

@@ -324,3 +324,33 @@ def test_speed_settings_change_runs_each_setting_twice_with_the_same_noise():
     row = report["calls"][0]
     assert (row["first_ms_per_round"], row["second_ms_per_round"], row["first_over_second"]) == (2.0, 1.0, 2.0)
     assert report["runners_before"] == report["runners_after"] == ["graph (fused)"] and report["prompt_tokens"] == 7
+
+
+def test_speed_times_the_model_cards_call_and_splits_the_assisted_loops_round(monkeypatch):
+    """`dflash2-card` (one prompt, default kwargs) runs beside the own loop, with its ratio in the first pass and the
+    steady state; the `assisted` section splits a round of transformers' loop into drafting, verification and rest."""
+    import types
+
+    import torch
+
+    from dflash2.benchmarks import speed
+    from helpers import tiny_drafter, tiny_target
+
+    target = tiny_target("llama", seed=1)
+    drafter = tiny_drafter(target, seed=2).attach(target)
+    tokenizer = types.SimpleNamespace(eos_token_id=3)
+    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
+    monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "y"])
+    monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [5, 6, 7, 8 + len(prompt)])
+    report = speed.main(["--methods", "dflash2,dflash2-card,dflash2-assisted", "--sections", "cold,steady,assisted",
+                         "--tasks", "mtbench", "--num-prompts", "2", "--device", "cpu", "--max-new-tokens", "24"])
+    assert report["first_pass_tokens_per_s"]["dflash2-card_over_own_loop"] > 0
+    steady = report["steady"]["mtbench"]
+    assert steady["dflash2-card"]["outputs"] == steady["dflash2"]["outputs"] == steady["dflash2-assisted"]["outputs"]
+    assert steady["dflash2-card_over_own_loop"] > 0 and steady["dflash2-assisted_over_own_loop"] > 0
+    split = report["assisted_round_split"]
+    assert split["calls"] == 2 and split["rounds"] > 0
+    assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["prefill_ms_per_call"] > 0
+    assert abs(split["draft_ms"] + split["verify_ms"] + split["rest_ms"] - split["round_ms"]) < 0.01
+    assert drafter.last_stats.loop == "transformers"
