@@ -1,0 +1,308 @@
+"""Continuous batching on DFlash 2's own loop: requests take rows of one round runner as rows free up.
+
+One runner of `rows` rows and fixed capacity serves every request. A request waits in a bounded queue until a row is
+free, then is prefilled into that row alone (`RoundCore.admit`: the other rows keep their state), and the next round
+decodes it beside the others. Rounds are the runner's own (captured as CUDA graphs on one GPU, fused once the
+background build is ready): admission writes into the same fixed buffers, so no new shape is ever compiled or
+captured. A row that finishes (EOS, its token limit, a stop string, a client that left) is frozen on the device at the
+next host read and taken by the next waiting request.
+
+Each row keeps its own temperature, top-k, top-p, token limit and random generator. The greedy and the sampled round
+are two different rounds of the core; when both kinds of request run at once, the engine runs one of each per step,
+each with the other kind's rows frozen (a frozen row's state does not move: `RoundCore.accept`), so a request's
+tokens never depend on what runs beside it: greedy requests equal plain greedy decoding, and a seeded sampled request
+draws the same noise, round after round, wherever it sits.
+
+The engine runs in one thread of its own; requests talk to it through `submit` and the callbacks they carry.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generation.decode import round_runner_for, uses_graphs
+from ..generation.round_core import columns_per_round, prefill_width
+from ..generation.sampling import Sampling, eos_token_ids
+from ..generation.stats import truncate_at_eos
+
+ROUNDS_PER_READ = 4  # rounds queued between two host reads of the rows' tokens
+DEFAULT_ROWS = 8
+DEFAULT_MAX_QUEUE = 64
+
+
+class QueueFull(Exception):
+    """No room in the waiting queue (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new request (HTTP 503)."""
+
+
+@dataclass
+class GenerationRequest:
+    """One request's prompt and settings, and `emit(event)`, called from the engine's thread with
+    ("text", delta), ("finish", finish_reason) or ("error", status, message). The first "text" event may be empty."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    emit: object = None
+    cancelled: bool = False  # set by the server when the client leaves; the engine frees the row
+    # filled in by the engine
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of `text` already emitted
+    target_forwards: int = 0
+    generator: torch.Generator | None = None  # the request's own randomness (from `seed`)
+    queued_at: float = 0.0
+    started_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    """The rows, the waiting queue and the thread that runs rounds. `start()` starts the thread; `shutdown()` ends every
+    running request with an error event (streams) and every waiting one with a 503, then stops the thread."""
+
+    def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = 2048,
+                 max_queue: int = DEFAULT_MAX_QUEUE, compile: bool | str | None = None,
+                 rounds_per_read: int = ROUNDS_PER_READ):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.max_queue, self.rounds_per_read = max_queue, rounds_per_read
+        limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        self.max_model_len = min(max_model_len, limit) if limit else max_model_len
+        self.eos = sorted(set(eos_token_ids(target.generation_config)) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        config = drafter.config
+        self.block_size = config.block_size
+        self.graphs = uses_graphs(target, drafter)
+        # a request's prompt is left-padded to its prefill width, and a finished row may run a round past its end
+        # before the host freezes it: room for both beyond prompt + answer
+        self.reserve = columns_per_round(config.block_size, config.tree_nodes) + config.block_size
+        needed = prefill_width(self.max_model_len, config.block_size, self.graphs) + self.reserve
+        self.runner = round_runner_for(target, drafter, rows, needed, compile, self.graphs, config.tree_nodes)
+        self.core = core = self.runner.core
+        self.rows = rows
+        core.set_sampling(Sampling(), self.eos)
+        self.warm_up()
+        self.views = [core.row_view(row) for row in range(rows)]
+        self.sampled_rows = torch.zeros(rows, dtype=torch.bool, device=core.device)
+        self.saved_done = torch.zeros_like(core.done)
+        self.slots: list[GenerationRequest | None] = [None] * rows
+        self.waiting: collections.deque[GenerationRequest] = collections.deque()
+        self.condition = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.metrics = collections.Counter()  # requests, prompt_tokens, completion_tokens, target_forwards
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def warm_up(self) -> None:
+        """Build the caches (a whole-batch prefill of one block), then free every row."""
+        core = self.core
+        ids = torch.zeros(self.rows, 1, dtype=torch.long, device=core.device)
+        self.runner.prefill(ids, torch.ones_like(ids), 2)
+        for row in range(self.rows):
+            self.park(row)
+
+    def park(self, row: int) -> None:
+        """Freeze row `row` and move its columns to the start of the buffers, so that the rounds it sits through
+        while free stay inside them."""
+        core = self.core
+        core.done[row] = True
+        core.start[row] = 0
+        core.first_column[row] = 0
+        core.context_columns[row] = core.offsets
+
+    @property
+    def fused(self) -> bool:
+        return "fused" in self.runner.kind
+
+    @property
+    def capacity(self) -> int:
+        return self.core.capacity
+
+    def limit_problem(self, prompt_length: int, max_tokens: int | None) -> str | None:
+        """Why a prompt of `prompt_length` tokens and `max_tokens` new ones cannot be served (None: it can)."""
+        if prompt_length < 1:
+            return "The prompt is empty."
+        room = self.max_tokens_for(prompt_length)
+        if room < 1:
+            return (f"The prompt has {prompt_length} tokens, which leaves no room for an answer in this server's "
+                    f"context of {self.max_model_len} tokens (--max-model-len).")
+        if max_tokens is not None and max_tokens > room:
+            return (f"max_tokens={max_tokens} does not fit: the prompt has {prompt_length} tokens and the context "
+                    f"holds {self.max_model_len} (--max-model-len); ask for at most {room}.")
+        return None
+
+    def max_tokens_for(self, prompt_length: int) -> int:
+        """The most new tokens a prompt of `prompt_length` tokens may ask for."""
+        columns = self.capacity - prefill_width(prompt_length, self.block_size, self.graphs) - self.reserve
+        return min(self.max_model_len - prompt_length, columns)
+
+    # ------------------------------------------------------------------------------------------ requests
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request (its tokens come through `request.emit`). QueueFull when the queue is full, ShuttingDown
+        once `shutdown` began."""
+        with self.condition:
+            if self.stopping:
+                raise ShuttingDown("The server is shutting down.")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"The server's queue is full ({self.max_queue} waiting requests); retry later.")
+            request.queued_at = time.monotonic()
+            self.waiting.append(request)
+            self.metrics["requests"] += 1
+            self.metrics["prompt_tokens"] += len(request.prompt_ids)
+            self.condition.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running_rows(self) -> int:
+        return sum(slot is not None for slot in self.slots)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.loop, name="dflash2-engine", daemon=True)
+        self.thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self.condition:
+            self.stopping = True
+            self.condition.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def loop(self) -> None:
+        try:
+            while not self.stopping:
+                self.admit_waiting()
+                if self.running_rows == 0:
+                    with self.condition:
+                        if not self.waiting and not self.stopping:
+                            self.condition.wait(0.5)
+                    continue
+                self.step()
+        except Exception as error:  # the engine is dead: every request gets the error, new ones are refused
+            self.stopping = True
+            self.fail_all(500, f"The engine failed: {type(error).__name__}: {error}")
+            raise
+        self.fail_all(503, "The server is shutting down.")
+
+    def fail_all(self, status: int, message: str) -> None:
+        with self.condition:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for request in waiting + [slot for slot in self.slots if slot is not None]:
+            request.emit(("error", status, message))
+        self.slots = [None] * self.rows
+
+    def admit_waiting(self) -> None:
+        """Prefill waiting requests into free rows, oldest first."""
+        while True:
+            row = next((row for row, slot in enumerate(self.slots) if slot is None), None)
+            if row is None:
+                return
+            with self.condition:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled:
+                continue
+            self.admit(row, request)
+
+    def admit(self, row: int, request: GenerationRequest) -> None:
+        core = self.core
+        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        request.generator = torch.Generator(core.device).manual_seed(seed)
+        core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator)
+        self.sampled_rows[row] = request.sampling.do_sample
+        request.started_at = time.monotonic()
+        self.slots[row] = request
+        request.emit(("text", ""))  # the request left the queue: a stream may send its first event
+
+    def step(self) -> None:
+        """Queue a few rounds, then read every row's tokens once and deliver them."""
+        active = [slot for slot in self.slots if slot is not None]
+        greedy = any(not request.sampling.do_sample for request in active)
+        sampled = any(request.sampling.do_sample for request in active)
+        for _ in range(self.rounds_per_read):
+            if greedy:
+                self.run_round(False, frozen=self.sampled_rows if sampled else None)
+            if sampled:
+                self.run_round(True, frozen=~self.sampled_rows if greedy else None)
+        core = self.core
+        values = torch.cat([core.done.long(), core.output_length, core.rounds, core.output.flatten()]).tolist()
+        rows = self.rows
+        done, lengths, rounds = values[:rows], values[rows: 2 * rows], values[2 * rows: 3 * rows]
+        width = core.output.shape[1]
+        for row, request in enumerate(self.slots):
+            if request is None:
+                continue
+            output = values[3 * rows + row * width: 3 * rows + row * width + lengths[row]]
+            request.target_forwards = 1 + rounds[row]
+            finish = self.deliver(request, output, bool(done[row]))
+            if finish is not None:
+                self.release(row, request, finish)
+        if self.runner.fusion is not None:
+            self.runner.fusion.poll(self.runner)  # switches to the fused round once its package is built
+
+    def run_round(self, do_sample: bool, frozen: torch.Tensor | None) -> None:
+        """One round of the greedy or the sampled kind; rows in `frozen` sit it out (their `done` is restored)."""
+        core = self.core
+        if do_sample:
+            for row, request in enumerate(self.slots):
+                if request is not None and request.sampling.do_sample:
+                    self.views[row].draw_noise(request.generator)
+        core.do_sample = do_sample
+        if frozen is None:
+            self.runner()
+            return
+        self.saved_done.copy_(core.done)
+        core.done.logical_or_(frozen)
+        self.runner()
+        core.done.copy_(torch.where(frozen, self.saved_done, core.done))
+
+    def deliver(self, request: GenerationRequest, output: list[int], done: bool) -> str | None:
+        """Hand a request its new text; returns why it finished ("stop", "length", "cancelled") or None."""
+        if request.cancelled:
+            return "cancelled"
+        tokens = truncate_at_eos(output, set(self.eos))[: request.max_tokens]
+        hit_eos = bool(tokens) and tokens[-1] in self.eos
+        request.tokens = tokens
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        finish = None
+        if hit_eos or done or len(tokens) >= request.max_tokens:
+            finish = "stop" if hit_eos else "length"
+        cut = min((index for index in (text.find(stop) for stop in request.stop) if index >= 0), default=None)
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+        ready = len(text)
+        if finish is None:
+            if text.endswith("\ufffd"):  # a character split over tokens: wait for its last byte
+                ready = len(text.rstrip("\ufffd"))
+            held = max((len(stop) - 1 for stop in request.stop), default=0)  # a stop string may be starting
+            ready = max(request.sent, ready - held)
+        request.text = text
+        if ready > request.sent:
+            request.emit(("text", text[request.sent: ready]))
+            request.sent = ready
+        return finish
+
+    def release(self, row: int, request: GenerationRequest, finish: str) -> None:
+        """The request is over: count it, tell it, free its row."""
+        self.park(row)
+        self.slots[row] = None
+        self.metrics["completion_tokens"] += len(request.tokens)
+        self.metrics["target_forwards"] += request.target_forwards
+        if finish != "cancelled":
+            request.emit(("finish", finish))
