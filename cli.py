@@ -5,6 +5,7 @@
     dflash2 train --target ... --prompts prompts.jsonl --out runs/x
     dflash2 precompile                                          # the fused round built ahead of time
     dflash2 cache [clear]                                       # what dflash2 keeps in its cache folder
+    dflash2 serve                                               # an OpenAI-compatible server on 127.0.0.1:8000
 
 Mistakes in the arguments end the command with one line, before any model is loaded.
 """
@@ -308,6 +309,37 @@ def command_cache(args) -> None:
           "DFLASH2_CACHE moves the folder)")
 
 
+# ------------------------------------------------------------------------------------------------ serve
+SERVE_MAX_NEW_TOKENS = 512  # an answer's limit when a request sets no max_tokens
+
+
+def command_serve(args) -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        fail(f"dflash2 serve needs FastAPI and uvicorn ({error.name} is missing): pip install 'dflash2[serve]'.")
+    from dflash2.generation.sampling import Sampling
+    from dflash2.serving.app import create_app, run_server
+    from dflash2.serving.engine import Engine
+
+    if args.drafter_folder:
+        args.drafter = args.drafter_folder
+    try:
+        check_model_arguments(args)
+    except UsageError as error:
+        fail(str(error))
+    target, tokenizer, drafter = load_pair(args, check=False)
+    engine = Engine(target, tokenizer, drafter, rows=args.rows, max_model_len=args.max_model_len,
+                    max_queue=args.max_queue)
+    name = args.served_model_name or Path(args.drafter).name
+    default = Sampling(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
+    app = create_app(engine, name, api_key=args.api_key, default=default, default_max_tokens=args.max_new_tokens)
+    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, rounds "
+          f"{engine.runner.kind}, context {engine.max_model_len} tokens)", file=sys.stderr, flush=True)
+    run_server(app, engine, args.host, args.port, log_level=args.log_level)
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dflash2", description="DFlash 2 speculative decoding for transformers")
@@ -365,6 +397,29 @@ def build_parser() -> argparse.ArgumentParser:
                                             "of it is rebuilt or fetched again when needed.")
     cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="what to do")
     cache.set_defaults(run=command_cache)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with DFlash 2 under continuous batching",
+        description="Serve the target and its DFlash 2 drafter over HTTP (/v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics): each request takes a row of DFlash 2's own loop as soon as one "
+                    "is free. --temperature, --top-p and --top-k are the defaults of requests that set none; "
+                    "--max-new-tokens the answer's limit when a request sets no max_tokens.")
+    serve.add_argument("drafter_folder", nargs="?", default=None, metavar="DRAFTER",
+                       help="drafter folder (default: --drafter, the shipped one)")
+    add_model_arguments(serve, max_new_tokens=SERVE_MAX_NEW_TOKENS)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the drafter folder's name)")
+    serve.add_argument("--max-model-len", type=positive_int, default=2048,
+                       help="most tokens of a request, prompt and answer (sizes the rows' buffers)")
+    serve.add_argument("--rows", type=positive_int, default=8, help="requests decoded at once (rows of the round)")
+    serve.add_argument("--max-queue", type=positive_int, default=64,
+                       help="requests waiting for a row; beyond it a request gets HTTP 429")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level")
+    serve.set_defaults(run=command_serve)
 
     from dflash2.training.recipe import add_arguments
 

@@ -175,9 +175,13 @@ class Engine:
         self.thread = threading.Thread(target=self.loop, name="dflash2-engine", daemon=True)
         self.thread.start()
 
+    def stop(self) -> None:
+        """Begin the shutdown without waiting (safe in a signal handler): the thread fails what is left and ends."""
+        self.stopping = True
+
     def shutdown(self, timeout: float = 5.0) -> None:
+        self.stop()
         with self.condition:
-            self.stopping = True
             self.condition.notify()
         if self.thread is not None:
             self.thread.join(timeout)

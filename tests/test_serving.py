@@ -1,0 +1,359 @@
+"""`dflash2 serve`: a real uvicorn server on 127.0.0.1 (a free port) driven by the official `openai` client.
+
+Greedy answers (streamed or not) equal plain greedy `generate` on the same chat template; concurrent requests each get
+their solo answer; a seeded sampled request is the same alone and among others; /metrics counts tokens and target
+forwards (tau > 1.3 with the shipped pair); every bad request gets its 4xx and the server keeps answering; a client that
+leaves mid-stream frees its row; SIGTERM ends streams with an error event, waiting requests with a 503, and the
+process with status 0. The logic runs on a tiny random target (with the real tokenizer); tau on the shipped pair.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+try:  # the HTTP client the openai package brings: httpx2 in its newer releases, httpx before
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+
+from dflash2.generation import DFlash2Drafter, load_target  # noqa: E402
+from dflash2.serving.app import create_app  # noqa: E402
+from dflash2.serving.engine import Engine  # noqa: E402
+from dflash2.tasks import conversation_ids  # noqa: E402
+from helpers import tiny_drafter, tiny_target  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
+KEY = "test-key"
+MODEL = "tiny"
+PROMPTS = ["Name a colour.", "What is 2 + 2?", "Write a haiku about rain.", "Say hello in French.",
+           "List three fruits.", "Why is the sky blue?", "Count to five.", "What is Python?"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RunningServer:
+    """uvicorn serving an engine from a thread of this process, on 127.0.0.1."""
+
+    def __init__(self, engine: Engine, name: str, api_key: str | None = None):
+        import uvicorn
+
+        self.engine, self.port = engine, free_port()
+        app = create_app(engine, name, api_key=api_key)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        engine.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for_health(self.url)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0, timeout=120)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+def wait_for_health(url: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no server answered {url}/health within {seconds} s")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    drafter = DFlash2Drafter.from_pretrained(SHIPPED, dtype=torch.float32)
+    target, tokenizer = load_target(drafter.config, dtype=torch.float32)
+    drafter.attach(target)
+    return target, tokenizer, drafter
+
+
+def tiny_pair(tokenizer):
+    """A tiny random target over the real tokenizer's vocabulary (its EOS the tokenizer's), and a tiny drafter."""
+    target = tiny_target(vocab=len(tokenizer))
+    target.config.max_position_embeddings = 1024
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    drafter = tiny_drafter(target)
+    drafter.attach(target)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def tiny(shipped):
+    """A tiny server of 4 rows (so 8 clients queue) with an API key."""
+    tokenizer = shipped[1]
+    target, drafter = tiny_pair(tokenizer)
+    server = RunningServer(Engine(target, tokenizer, drafter, rows=4, max_model_len=512), MODEL, api_key=KEY)
+    yield server, target, tokenizer
+    server.close()
+
+
+def plain_greedy(target, tokenizer, messages, max_tokens) -> str:
+    ids = torch.tensor([conversation_ids(tokenizer, messages)])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                          pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def chat(client, prompt, max_tokens, model=MODEL, **kwargs):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=max_tokens, **kwargs)
+
+
+def streamed_text(stream) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+# ---------------------------------------------------------------------------------------------- the shipped pair
+def test_shipped_pair_greedy_streamed_and_whole_equal_plain_greedy_with_tau_above_1_3(shipped):
+    target, tokenizer, drafter = shipped
+    server = RunningServer(Engine(target, tokenizer, drafter, rows=2, max_model_len=512), "smol")
+    try:
+        for prompt in PROMPTS[:3]:
+            expected = plain_greedy(target, tokenizer, [{"role": "user", "content": prompt}], 40)
+            whole = chat(server.client, prompt, 40, model="smol", temperature=0)
+            assert whole.choices[0].message.content == expected
+            assert whole.usage.prompt_tokens == len(conversation_ids(tokenizer, [{"role": "user", "content": prompt}]))
+            assert 0 < whole.usage.completion_tokens <= 40
+            stream = chat(server.client, prompt, 40, model="smol", temperature=0, stream=True,
+                          stream_options={"include_usage": True})
+            assert streamed_text(stream)[0] == expected
+        tokens = metric(server.url, "dflash2_completion_tokens_total")
+        forwards = metric(server.url, "dflash2_target_forwards_total")
+        assert tokens > 0 and tokens / forwards > 1.3, (tokens, forwards)
+        assert metric(server.url, "dflash2_requests_total") == 6
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
+def test_eight_concurrent_clients_each_get_their_solo_greedy_answer(tiny):
+    server, target, tokenizer = tiny
+    limits = [6 + 3 * i for i in range(len(PROMPTS))]
+    expected = [plain_greedy(target, tokenizer, [{"role": "user", "content": p}], n) for p, n in zip(PROMPTS, limits)]
+    answers = [None] * len(PROMPTS)
+
+    def ask(index):
+        reply = chat(server.client, PROMPTS[index], limits[index], temperature=0)
+        answers[index] = (reply.choices[0].message.content, reply.usage.completion_tokens, reply.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [answer[0] for answer in answers] == expected
+    assert [answer[1] for answer in answers] == limits  # a random target rarely says EOS: each stops at its limit
+    assert {answer[2] for answer in answers} == {"length"}
+
+
+def test_seeded_sampled_request_is_the_same_alone_and_among_seven_others(tiny):
+    server, target, tokenizer = tiny
+    settings = dict(temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 50})
+    alone = chat(server.client, "Tell me a story.", 24, **settings).choices[0].message.content
+    other = chat(server.client, "Tell me a story.", 24, **{**settings, "seed": 99}).choices[0].message.content
+    assert alone != other  # the seed matters
+    answers = {}
+
+    def ask(index):
+        if index == 3:
+            answers[index] = chat(server.client, "Tell me a story.", 24, **settings).choices[0].message.content
+        elif index % 2:  # greedy and sampled requests beside it
+            answers[index] = chat(server.client, PROMPTS[index], 10 + index, temperature=0).choices[0].message.content
+        else:
+            answers[index] = chat(server.client, PROMPTS[index], 10 + index, temperature=1.0,
+                                  seed=index).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert answers[3] == alone
+    assert answers[1] == plain_greedy(target, tokenizer, [{"role": "user", "content": PROMPTS[1]}], 11)
+
+
+def test_completions_stop_strings_models_and_metrics(tiny):
+    server, target, tokenizer = tiny
+    prompt = "Once upon a time"
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                            pad_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+    reply = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert reply.choices[0].text == expected and reply.usage.completion_tokens == 20
+    stop = expected[len(expected) // 2: len(expected) // 2 + 3]
+    cut = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].text for chunk in server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=stop, stream=True) if chunk.choices)
+    assert streamed == cut.choices[0].text
+    assert [model.id for model in server.client.models.list().data] == [MODEL]
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("dflash2_requests_total", "dflash2_prompt_tokens_total", "dflash2_completion_tokens_total",
+                 "dflash2_target_forwards_total", "dflash2_queue_depth", "dflash2_running_rows",
+                 "dflash2_fused_round"):
+        assert f"\n{name} " in text
+    assert metric(server.url, "dflash2_fused_round") == 0  # a CPU runs eager rounds
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_every_bad_request_gets_its_4xx_and_the_next_good_one_is_answered(tiny):
+    server, target, tokenizer = tiny
+    url, headers = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    long_prompt = "word " * 600
+    bad = [
+        (b"{not json", headers, 400),
+        ({**good, "model": "gpt-4"}, headers, 404),
+        ({**good, "messages": []}, headers, 400),
+        ({**good, "max_tokens": 0}, headers, 400),
+        ({**good, "max_tokens": 100000}, headers, 400),
+        ({**good, "messages": [{"role": "user", "content": long_prompt}]}, headers, 400),
+        ({**good, "n": 2}, headers, 400),
+        ({**good, "logprobs": True}, headers, 400),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, headers, 400),
+        ({**good, "response_format": {"type": "json_object"}}, headers, 400),
+        ({**good, "temperature": -1}, headers, 400),
+        (good, {"Authorization": "Bearer wrong"}, 401),
+        (good, {}, 401),
+    ]
+    for body, request_headers, status in bad:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(url, content=content, headers={**request_headers, "Content-Type": "application/json"},
+                              timeout=60)
+        assert response.status_code == status, (body if not isinstance(body, bytes) else body, response.text)
+        error = response.json()["error"]
+        assert error["message"] and "type" in error and "code" in error
+        reply = httpx.post(url, json=good, headers=headers, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
+    # what `transformers chat` sends: generation_config as a JSON string, stream_options, /load_model first
+    loaded = httpx.post(f"{server.url}/load_model", json={"model": MODEL}, headers=headers)
+    assert loaded.status_code == 200 and '"ready"' in loaded.text
+    config = json.dumps({"max_new_tokens": 5, "do_sample": False})
+    reply = chat(server.client, "Hi", None, extra_body={"generation_config": config})
+    assert reply.usage.completion_tokens == 5
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row_for_the_queued_request(shipped):
+    tokenizer = shipped[1]
+    target, drafter = tiny_pair(tokenizer)
+    server = RunningServer(Engine(target, tokenizer, drafter, rows=1, max_model_len=512, max_queue=1), MODEL)
+    try:
+        stream = chat(server.client, "Tell me everything.", 400, temperature=0, stream=True)
+        next(iter(stream))
+        started = {}
+
+        def queued():
+            for chunk in chat(server.client, "Hi", 3, temperature=0, stream=True):
+                started.setdefault("at", time.monotonic())
+
+        waiting = threading.Thread(target=queued)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while metric(server.url, "dflash2_queue_depth") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(server.url, "dflash2_running_rows") == 1
+        with pytest.raises(openai.RateLimitError):  # one row busy, the queue of one full
+            chat(server.client, "Hi", 3, temperature=0)
+        assert "at" not in started
+        left = time.monotonic()
+        stream.close()
+        waiting.join(30)
+        assert started["at"] - left < 2.0
+    finally:
+        server.close()
+
+
+SERVER_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from helpers import tiny_drafter, tiny_target
+from dflash2.generation import DFlash2Drafter, load_target
+from dflash2.serving.app import create_app, run_server
+from dflash2.serving.engine import Engine
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
+target = tiny_target(vocab=len(tokenizer))
+target.generation_config.eos_token_id = tokenizer.eos_token_id
+drafter = tiny_drafter(target)
+drafter.attach(target)
+engine = Engine(target, tokenizer, drafter, rows=1, max_model_len=512)
+run_server(create_app(engine, "tiny"), engine, "127.0.0.1", {port}, log_level="warning")
+"""
+
+
+def test_sigterm_ends_streams_with_an_error_event_waiting_requests_with_503_and_exits_0(tiny, tmp_path):
+    tokenizer = tiny[2]
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    port = free_port()
+    script = SERVER_SCRIPT.format(tests=str(ROOT / "tests"), tokenizer=str(tmp_path / "tokenizer"), port=port)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", 120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = chat(client, "Tell me everything.", 400, temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        outcome = {}
+
+        def queued():
+            try:
+                chat(client, "Hi", 3, temperature=0)
+            except openai.APIStatusError as error:
+                outcome["status"] = error.status_code
+
+        waiting = threading.Thread(target=queued)
+        waiting.start()
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError):
+            for _ in chunks:
+                pass
+        waiting.join(15)
+        assert outcome.get("status") == 503
+        assert process.wait(10) == 0
+        assert time.monotonic() - signalled < 10
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
