@@ -85,11 +85,13 @@ class Engine:
         config = drafter.config
         self.block_size = config.block_size
         self.graphs = uses_graphs(target, drafter)
-        # a request's prompt is left-padded to its prefill width, and a finished row may run a round past its end
-        # before the host freezes it: room for both beyond prompt + answer
+        # Buffers of `max_model_len` columns (rounded up as the own loop rounds capacities): a round attends over all
+        # of them. A request needs its prompt's prefill width (left-padded to a bucket where prefills are captured),
+        # its answer, and room for a round past its last token (`reserve`): a row that finished mid-read sits through
+        # the rounds queued behind it before the host frees it.
         self.reserve = columns_per_round(config.block_size, config.tree_nodes) + config.block_size
-        needed = prefill_width(self.max_model_len, config.block_size, self.graphs) + self.reserve
-        self.runner = round_runner_for(target, drafter, rows, needed, compile, self.graphs, config.tree_nodes)
+        self.runner = round_runner_for(target, drafter, rows, self.max_model_len, compile, self.graphs,
+                                       config.tree_nodes)
         self.core = core = self.runner.core
         self.rows = rows
         core.set_sampling(Sampling(), self.eos)
@@ -244,15 +246,21 @@ class Engine:
                 self.run_round(False, frozen=self.sampled_rows if sampled else None)
             if sampled:
                 self.run_round(True, frozen=~self.sampled_rows if greedy else None)
-        core = self.core
-        values = torch.cat([core.done.long(), core.output_length, core.rounds, core.output.flatten()]).tolist()
-        rows = self.rows
+        # one host read: every row's flags and counts, and the output columns the rounds may have written since the
+        # last read (a row emits at most a block per round)
+        core, rows = self.core, self.rows
+        first = min(len(request.tokens) for request in active)
+        last = min(core.output.shape[1], max(len(request.tokens) for request in active) + 1
+                   + self.rounds_per_read * self.block_size)
+        values = torch.cat([core.done.long(), core.output_length, core.rounds,
+                            core.output[:, first: last].flatten()]).tolist()
         done, lengths, rounds = values[:rows], values[rows: 2 * rows], values[2 * rows: 3 * rows]
-        width = core.output.shape[1]
+        width = last - first
         for row, request in enumerate(self.slots):
             if request is None:
                 continue
-            output = values[3 * rows + row * width: 3 * rows + row * width + lengths[row]]
+            read = values[3 * rows + row * width: 3 * rows + (row + 1) * width]
+            output = request.tokens[:first] + read[: max(0, lengths[row] - first)]
             request.target_forwards = 1 + rounds[row]
             finish = self.deliver(request, output, bool(done[row]))
             if finish is not None:
