@@ -361,3 +361,19 @@ def test_sigterm_ends_streams_with_an_error_event_waiting_requests_with_503_and_
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serve_bench_drives_a_server_closed_loop_and_poisson(tiny, tmp_path):
+    from dflash2.benchmarks.serve_bench import main
+
+    server = tiny[0]
+    report = main(["--url", f"{server.url}/v1", "--api-key", KEY, "--clients", "1", "3", "--rates", "50",
+                   "--requests", "4", "--max-tokens", "6", "--max-seconds", "60", "--out", str(tmp_path / "r.json")])
+    assert [setup.get("clients", setup.get("rate")) for setup in report["setups"]] == [1, 3, 50]
+    for setup in report["setups"]:
+        assert setup["requests"] == 4 and setup["errors"] == 0 and setup["completion_tokens"] == 24
+        assert setup["tokens_per_second"] > 0 and 0 < setup["ttft_p50"] <= setup["latency_p95"]
+        assert setup["tau"] >= 1.0  # each forward emits a token at least (the random drafter: about 1)
+    assert json.loads((tmp_path / "r.json").read_text())["model"] == MODEL
+    with pytest.raises(SystemExit, match="127.0.0.1"):
+        main(["--url", "http://example.com:8000"])
