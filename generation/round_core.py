@@ -520,6 +520,15 @@ class RoundCore:
         view.start_decoding(width, max_new_tokens, generator)
         self.serial += 1
 
+    def copy_row(self, row: int, source: "RoundCore", source_row: int) -> None:
+        """Row `source_row` of `source` (a core of the same pair and capacity, another batch size) into row `row`:
+        its state, settings, output and both caches' columns, so that its next round here continues it exactly."""
+        for name in ROW_BUFFERS:
+            getattr(self, name)[row].copy_(getattr(source, name)[source_row])
+        for mine, theirs in ((self.target_cache, source.target_cache), (self.draft_cache, source.draft_cache)):
+            for buffer, other in zip(mine.keys + mine.values, theirs.keys + theirs.values):
+                buffer[row].copy_(other[source_row])
+
     def prefill_width(self, length: int) -> int:
         """Columns the prompt is left-padded to: at least a block; with `bucketed_prefill`, the next prefill bucket."""
         return prefill_width(length, self.block_size, self.bucketed_prefill)

@@ -467,7 +467,11 @@ def prometheus_text(engine: Engine) -> str:
     metric("dflash2_tau", "gauge", "Tokens per target forward over finished requests.", f"{tau:.4f}")
     metric("dflash2_queue_depth", "gauge", "Requests waiting for a row.", engine.queue_depth)
     metric("dflash2_running_rows", "gauge", "Rows decoding a request.", engine.running_rows)
-    metric("dflash2_rows", "gauge", "Rows of the round runner.", engine.rows)
+    metric("dflash2_rows", "gauge", "Rows of the round runner in use (1, 2, 4, ... up to --rows, as requests come "
+           "and go).", engine.active.batch)
+    metric("dflash2_max_rows", "gauge", "Requests decoded at once at most (--rows).", engine.rows)
+    metric("dflash2_row_moves_total", "counter", "Requests moved to a runner of another batch size.",
+           counts["row_moves"])
     metric("dflash2_fused_round", "gauge", "1 when the rounds run the inductor-fused round.", int(engine.fused))
     lines.append(f'dflash2_round_info{{kind="{engine.runner.kind}"}} 1')
     return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.decode import round_runner_for, uses_graphs
+from ..generation.decode import MAX_RUNNERS, round_runner_for, uses_graphs
 from ..generation.round_core import columns_per_round, prefill_width
 from ..generation.sampling import Sampling, eos_token_ids
 from ..generation.stats import truncate_at_eos
@@ -69,15 +69,50 @@ class GenerationRequest:
         self.cancelled = True
 
 
+class RowSet:
+    """One round runner of `batch` rows and what the engine keeps beside it: the request in each row, each row's
+    view (`RoundCore.row_view`), which rows sample, and a spare copy of the done flags."""
+
+    def __init__(self, runner, eos: list[int]):
+        self.runner, self.core = runner, runner.core
+        self.batch = batch = runner.core.batch
+        self.core.set_sampling(Sampling(), eos)
+        ids = torch.zeros(batch, 1, dtype=torch.long, device=self.core.device)
+        runner.prefill(ids, torch.ones_like(ids), 2)  # builds the caches, which the row views slice
+        self.views = [self.core.row_view(row) for row in range(batch)]
+        self.sampled_rows = torch.zeros(batch, dtype=torch.bool, device=self.core.device)
+        self.saved_done = torch.zeros_like(self.core.done)
+        self.slots: list[GenerationRequest | None] = [None] * batch
+        for row in range(batch):
+            self.park(row)
+
+    def park(self, row: int) -> None:
+        """Freeze row `row` and move its columns to the start of the buffers, so that the rounds it sits through
+        while free stay inside them."""
+        core = self.core
+        core.done[row] = True
+        core.start[row] = 0
+        core.first_column[row] = 0
+        core.context_columns[row] = core.offsets
+        self.slots[row] = None
+
+    def requests(self) -> list[GenerationRequest]:
+        return [slot for slot in self.slots if slot is not None]
+
+
 class Engine:
     """The rows, the waiting queue and the thread that runs rounds. `start()` starts the thread; `shutdown()` ends every
-    running request with an error event (streams) and every waiting one with a 503, then stops the thread."""
+    running request with an error event (streams) and every waiting one with a 503, then stops the thread.
+
+    A round costs every row of its runner, busy or free, so the engine keeps one runner per batch size 1, 2, 4, ...
+    up to `rows` (same buffers' capacity) and decodes on the smallest that holds the running requests: when they
+    outgrow it, or fit a smaller one, their rows move there (`RoundCore.copy_row`) between two rounds."""
 
     def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = 2048,
                  max_queue: int = DEFAULT_MAX_QUEUE, compile: bool | str | None = None,
                  rounds_per_read: int = ROUNDS_PER_READ):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
-        self.max_queue, self.rounds_per_read = max_queue, rounds_per_read
+        self.rows, self.max_queue, self.rounds_per_read = rows, max_queue, rounds_per_read
         limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = min(max_model_len, limit) if limit else max_model_len
         self.eos = sorted(set(eos_token_ids(target.generation_config)) | (
@@ -90,39 +125,40 @@ class Engine:
         # its answer, and room for a round past its last token (`reserve`): a row that finished mid-read sits through
         # the rounds queued behind it before the host frees it.
         self.reserve = columns_per_round(config.block_size, config.tree_nodes) + config.block_size
-        self.runner = round_runner_for(target, drafter, rows, self.max_model_len, compile, self.graphs,
-                                       config.tree_nodes)
-        self.core = core = self.runner.core
-        self.rows = rows
-        core.set_sampling(Sampling(), self.eos)
-        self.warm_up()
-        self.views = [core.row_view(row) for row in range(rows)]
-        self.sampled_rows = torch.zeros(rows, dtype=torch.bool, device=core.device)
-        self.saved_done = torch.zeros_like(core.done)
-        self.slots: list[GenerationRequest | None] = [None] * rows
+        # batch sizes 1, 2, 4, ... and `rows`: at most the runners a drafter keeps (the largest of them)
+        sizes = sorted({min(1 << power, rows) for power in range(rows.bit_length() + 1)})[-MAX_RUNNERS:]
+        self.row_sets = [RowSet(round_runner_for(target, drafter, size, self.max_model_len, compile, self.graphs,
+                                                 config.tree_nodes), self.eos) for size in sizes]
+        self.active = self.row_sets[0]
         self.waiting: collections.deque[GenerationRequest] = collections.deque()
         self.condition = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
-        self.metrics = collections.Counter()  # requests, prompt_tokens, completion_tokens, target_forwards
+        self.metrics = collections.Counter()  # requests, prompt_tokens, completion_tokens, target_forwards, row_moves
 
-    # ------------------------------------------------------------------------------------------ set-up
-    def warm_up(self) -> None:
-        """Build the caches (a whole-batch prefill of one block), then free every row."""
-        core = self.core
-        ids = torch.zeros(self.rows, 1, dtype=torch.long, device=core.device)
-        self.runner.prefill(ids, torch.ones_like(ids), 2)
-        for row in range(self.rows):
-            self.park(row)
+    @property
+    def runner(self):
+        """The runner decoding now."""
+        return self.active.runner
 
-    def park(self, row: int) -> None:
-        """Freeze row `row` and move its columns to the start of the buffers, so that the rounds it sits through
-        while free stay inside them."""
-        core = self.core
-        core.done[row] = True
-        core.start[row] = 0
-        core.first_column[row] = 0
-        core.context_columns[row] = core.offsets
+    @property
+    def core(self):
+        return self.active.core
+
+    def resize(self, count: int) -> None:
+        """Move the running requests to the smallest row set with `count` rows or more (nothing when it is the one in
+        use): each request's row is copied over, in order, and the old rows are freed."""
+        target = next(rows for rows in self.row_sets if rows.batch >= count)
+        if target is self.active:
+            return
+        old = self.active
+        for row, (source_row, request) in enumerate((r, q) for r, q in enumerate(old.slots) if q is not None):
+            target.core.copy_row(row, old.core, source_row)
+            target.sampled_rows[row] = request.sampling.do_sample
+            target.slots[row] = request
+            old.park(source_row)
+            self.metrics["row_moves"] += 1
+        self.active = target
 
     @property
     def fused(self) -> bool:
@@ -171,7 +207,7 @@ class Engine:
 
     @property
     def running_rows(self) -> int:
-        return sum(slot is not None for slot in self.slots)
+        return len(self.active.requests())
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.loop, name="dflash2-engine", daemon=True)
@@ -193,7 +229,7 @@ class Engine:
         try:
             while not self.stopping:
                 self.admit_waiting()
-                if self.running_rows == 0:
+                if not self.active.requests():
                     with self.condition:
                         if not self.waiting and not self.stopping:
                             self.condition.wait(0.5)
@@ -208,81 +244,88 @@ class Engine:
     def fail_all(self, status: int, message: str) -> None:
         with self.condition:
             waiting, self.waiting = list(self.waiting), collections.deque()
-        for request in waiting + [slot for slot in self.slots if slot is not None]:
+        for request in waiting + self.active.requests():
             request.emit(("error", status, message))
-        self.slots = [None] * self.rows
+        for row in range(self.active.batch):
+            self.active.park(row)
 
     def admit_waiting(self) -> None:
-        """Prefill waiting requests into free rows, oldest first."""
+        """Prefill waiting requests into free rows, oldest first (growing the row set as they come)."""
         while True:
-            row = next((row for row, slot in enumerate(self.slots) if slot is None), None)
-            if row is None:
-                return
             with self.condition:
                 if not self.waiting:
+                    return
+                running = len(self.active.requests())
+                if running >= self.rows:
                     return
                 request = self.waiting.popleft()
             if request.cancelled:
                 continue
+            self.resize(running + 1)
+            row = self.active.slots.index(None)
             self.admit(row, request)
 
     def admit(self, row: int, request: GenerationRequest) -> None:
-        core = self.core
+        rows, core = self.active, self.core
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         request.generator = torch.Generator(core.device).manual_seed(seed)
         core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator)
-        self.sampled_rows[row] = request.sampling.do_sample
+        rows.sampled_rows[row] = request.sampling.do_sample
         request.started_at = time.monotonic()
-        self.slots[row] = request
+        rows.slots[row] = request
         request.emit(("text", ""))  # the request left the queue: a stream may send its first event
 
     def step(self) -> None:
-        """Queue a few rounds, then read every row's tokens once and deliver them."""
-        active = [slot for slot in self.slots if slot is not None]
+        """Queue a few rounds, then read every row's tokens once and deliver them; free the rows that finished and
+        move the rest to a smaller row set when they fit one."""
+        rows = self.active
+        active = rows.requests()
         greedy = any(not request.sampling.do_sample for request in active)
         sampled = any(request.sampling.do_sample for request in active)
         for _ in range(self.rounds_per_read):
             if greedy:
-                self.run_round(False, frozen=self.sampled_rows if sampled else None)
+                self.run_round(False, frozen=rows.sampled_rows if sampled else None)
             if sampled:
-                self.run_round(True, frozen=~self.sampled_rows if greedy else None)
+                self.run_round(True, frozen=~rows.sampled_rows if greedy else None)
         # one host read: every row's flags and counts, and the output columns the rounds may have written since the
         # last read (a row emits at most a block per round)
-        core, rows = self.core, self.rows
+        core, batch = rows.core, rows.batch
         first = min(len(request.tokens) for request in active)
         last = min(core.output.shape[1], max(len(request.tokens) for request in active) + 1
                    + self.rounds_per_read * self.block_size)
         values = torch.cat([core.done.long(), core.output_length, core.rounds,
                             core.output[:, first: last].flatten()]).tolist()
-        done, lengths, rounds = values[:rows], values[rows: 2 * rows], values[2 * rows: 3 * rows]
+        done, lengths, rounds = values[:batch], values[batch: 2 * batch], values[2 * batch: 3 * batch]
         width = last - first
-        for row, request in enumerate(self.slots):
+        for row, request in enumerate(rows.slots):
             if request is None:
                 continue
-            read = values[3 * rows + row * width: 3 * rows + (row + 1) * width]
+            read = values[3 * batch + row * width: 3 * batch + (row + 1) * width]
             output = request.tokens[:first] + read[: max(0, lengths[row] - first)]
             request.target_forwards = 1 + rounds[row]
             finish = self.deliver(request, output, bool(done[row]))
             if finish is not None:
                 self.release(row, request, finish)
+        if not self.waiting:
+            self.resize(max(1, len(rows.requests())))
         if self.runner.fusion is not None:
             self.runner.fusion.poll(self.runner)  # switches to the fused round once its package is built
 
     def run_round(self, do_sample: bool, frozen: torch.Tensor | None) -> None:
         """One round of the greedy or the sampled kind; rows in `frozen` sit it out (their `done` is restored)."""
-        core = self.core
+        rows, core = self.active, self.core
         if do_sample:
-            for row, request in enumerate(self.slots):
+            for row, request in enumerate(rows.slots):
                 if request is not None and request.sampling.do_sample:
-                    self.views[row].draw_noise(request.generator)
+                    rows.views[row].draw_noise(request.generator)
         core.do_sample = do_sample
         if frozen is None:
             self.runner()
             return
-        self.saved_done.copy_(core.done)
+        rows.saved_done.copy_(core.done)
         core.done.logical_or_(frozen)
         self.runner()
-        core.done.copy_(torch.where(frozen, self.saved_done, core.done))
+        core.done.copy_(torch.where(frozen, rows.saved_done, core.done))
 
     def deliver(self, request: GenerationRequest, output: list[int], done: bool) -> str | None:
         """Hand a request its new text; returns why it finished ("stop", "length", "cancelled") or None."""
@@ -312,8 +355,7 @@ class Engine:
 
     def release(self, row: int, request: GenerationRequest, finish: str) -> None:
         """The request is over: count it, tell it, free its row."""
-        self.park(row)
-        self.slots[row] = None
+        self.active.park(row)
         self.metrics["completion_tokens"] += len(request.tokens)
         self.metrics["target_forwards"] += request.target_forwards
         if finish != "cancelled":

@@ -182,12 +182,14 @@ def test_eight_concurrent_clients_each_get_their_solo_greedy_answer(tiny):
         reply = chat(server.client, PROMPTS[index], limits[index], temperature=0)
         answers[index] = (reply.choices[0].message.content, reply.usage.completion_tokens, reply.choices[0].finish_reason)
 
+    moves = metric(server.url, "dflash2_row_moves_total")
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
     assert [answer[0] for answer in answers] == expected
+    assert metric(server.url, "dflash2_row_moves_total") > moves  # rows moved between batch sizes meanwhile
     assert [answer[1] for answer in answers] == limits  # a random target rarely says EOS: each stops at its limit
     assert {answer[2] for answer in answers} == {"length"}
 

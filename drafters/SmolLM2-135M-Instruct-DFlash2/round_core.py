@@ -28,6 +28,8 @@ block, so the state after the round is laid out as after a path round.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 
@@ -121,6 +123,19 @@ class ColumnCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
+    def row_view(self, row: int) -> "ColumnCache":
+        """This cache's row `row` alone: every layer's buffers sliced to that row (views: writes land here)."""
+        view = ColumnCache(len(self.keys), self.capacity, self.append_unwritten)
+        view.keys = [keys[row: row + 1] for keys in self.keys]
+        view.values = [values[row: row + 1] for values in self.values]
+        return view
+
+
+ROW_BUFFERS = ("temperature", "top_k", "top_p", "anchor", "start", "first_column", "context_columns", "features",
+               "max_new_tokens", "done", "output", "output_length", "rounds", "accepted_per_position", "prompt_ids",
+               "prompt_logits", "prompt_features", "draft_noise", "uniform", "bonus_noise", "node_gumbel",
+               "node_uniform", "final_uniform")  # a RoundCore's buffers with one entry per row (`RoundCore.row_view`)
+
 
 def column_index(buffer: torch.Tensor, columns: torch.Tensor) -> tuple:
     """Indices of `buffer` [b, heads, capacity, d] at per-row `columns` [b, n], for every head: (rows [b, 1, 1],
@@ -176,7 +191,7 @@ class RoundCore:
         self.context_columns = torch.zeros(batch, block, **long)  # columns of `features`, the last verified block
         self.features = torch.zeros(batch, block, config.num_target_taps * config.target_hidden_size,
                                     dtype=drafter.dtype, device=device)
-        self.max_new_tokens = torch.zeros((), **long)
+        self.max_new_tokens = torch.zeros(batch, **long)  # per row: a row admitted alone (`admit`) has its own
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         # ---- what the rounds emitted: max_new_tokens fits in capacity, and a round writes one block past the end
         self.output = torch.zeros(batch, capacity + block, **long)
@@ -471,6 +486,48 @@ class RoundCore:
         lengths = self.output_length[:batch].tolist()
         return [(ids + emitted[:n])[:count]
                 for ids, emitted, n, count in zip(rows, self.output[:batch].tolist(), lengths, held)]
+
+    # ------------------------------------------------------------------------------------------ one row at a time
+    def row_view(self, row: int) -> "RoundCore":
+        """This core seen as a batch of one: row `row` of every per-row buffer and of both caches, as views. What the
+        view's prefill and noise draw write lands in that row of this core's buffers (same storage, same addresses,
+        so captured rounds read it); the other rows are not touched. The caches must exist (a first prefill or the
+        runner's capture builds them)."""
+        if any(keys is None for keys in self.target_cache.keys + self.draft_cache.keys):
+            raise RuntimeError("row_view needs the caches built: prefill the whole batch once first.")
+        view = copy.copy(self)
+        view.batch = 1
+        for name in ROW_BUFFERS:
+            setattr(view, name, getattr(self, name)[row: row + 1])
+        view.target_cache = self.target_cache.row_view(row)
+        view.draft_cache = self.draft_cache.row_view(row)
+        return view
+
+    @torch.no_grad()
+    def admit(self, row: int, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
+              generator: torch.Generator | None = None) -> None:
+        """Prefill one prompt (`input_ids`, no padding) into row `row` alone, with its own settings and token limit,
+        while the other rows keep their state: the next round decodes it beside them. Eager (a batch of one), into
+        the same fixed buffers the rounds read. The EOS ids stay the core's (`set_sampling`)."""
+        view = self.row_view(row)
+        view.do_sample = sampling.do_sample
+        view.temperature.fill_(sampling.temperature)
+        view.top_k.fill_(sampling.top_k)
+        view.top_p.fill_(sampling.top_p)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        width, staged = view.stage_prompt(ids, torch.ones_like(ids), max_new_tokens)
+        view.encode_prompt(width, staged)
+        view.start_decoding(width, max_new_tokens, generator)
+        self.serial += 1
+
+    def copy_row(self, row: int, source: "RoundCore", source_row: int) -> None:
+        """Row `source_row` of `source` (a core of the same pair and capacity, another batch size) into row `row`:
+        its state, settings, output and both caches' columns, so that its next round here continues it exactly."""
+        for name in ROW_BUFFERS:
+            getattr(self, name)[row].copy_(getattr(source, name)[source_row])
+        for mine, theirs in ((self.target_cache, source.target_cache), (self.draft_cache, source.draft_cache)):
+            for buffer, other in zip(mine.keys + mine.values, theirs.keys + theirs.values):
+                buffer[row].copy_(other[source_row])
 
     def prefill_width(self, length: int) -> int:
         """Columns the prompt is left-padded to: at least a block; with `bucketed_prefill`, the next prefill bucket."""
