@@ -16,7 +16,7 @@ from dflash2.generation.export import SHIPPED_MODULES
 ROOT = Path(__file__).resolve().parents[1]
 # lower number = lower layer; a module may import only modules of its own layer or below
 LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3, "pairs": 3, "problems": 3,
-          "training": 4, "benchmarks": 4, "cli": 5, "__init__": 6, "lab": 7}
+          "training": 4, "benchmarks": 4, "serving": 4, "cli": 5, "__init__": 6, "lab": 7}
 LAB = "lab"  # run from a checkout only: not in the wheel, imported by nothing of the package
 
 
