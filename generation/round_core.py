@@ -505,20 +505,26 @@ class RoundCore:
 
     @torch.no_grad()
     def admit(self, row: int, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
-              generator: torch.Generator | None = None) -> None:
+              generator: torch.Generator | None = None, keep: int = 0) -> bool:
         """Prefill one prompt (`input_ids`, no padding) into row `row` alone, with its own settings and token limit,
         while the other rows keep their state: the next round decodes it beside them. Eager (a batch of one), into
-        the same fixed buffers the rounds read. The EOS ids stay the core's (`set_sampling`)."""
+        the same fixed buffers the rounds read. The EOS ids stay the core's (`set_sampling`).
+        `keep` > 0: the row still holds the first `keep` tokens of `input_ids` (an earlier turn decoded there: see
+        `held_tokens` and `resume`), and only what follows is encoded when it fits. Returns whether it was."""
         view = self.row_view(row)
         view.do_sample = sampling.do_sample
         view.temperature.fill_(sampling.temperature)
         view.top_k.fill_(sampling.top_k)
         view.top_p.fill_(sampling.top_p)
+        if keep > 0 and view.resume([list(input_ids)], [keep], max_new_tokens, generator):
+            self.serial += 1
+            return True
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         width, staged = view.stage_prompt(ids, torch.ones_like(ids), max_new_tokens)
         view.encode_prompt(width, staged)
         view.start_decoding(width, max_new_tokens, generator)
         self.serial += 1
+        return False
 
     def copy_row(self, row: int, source: "RoundCore", source_row: int) -> None:
         """Row `source_row` of `source` (a core of the same pair and capacity, another batch size) into row `row`:

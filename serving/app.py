@@ -458,6 +458,8 @@ def prometheus_text(engine: Engine) -> str:
 
     metric("dflash2_requests_total", "counter", "Requests accepted into the queue.", counts["requests"])
     metric("dflash2_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", counts["prompt_tokens"])
+    metric("dflash2_prompt_tokens_reused_total", "counter", "Prompt tokens not encoded again: a later turn of a "
+           "conversation whose row still held them.", counts["prompt_tokens_reused"])
     metric("dflash2_completion_tokens_total", "counter", "Tokens answered by finished requests.",
            counts["completion_tokens"])
     metric("dflash2_target_forwards_total", "counter", "Target forwards per request row (its prefill and every "

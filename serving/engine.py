@@ -83,18 +83,37 @@ class RowSet:
         self.sampled_rows = torch.zeros(batch, dtype=torch.bool, device=self.core.device)
         self.saved_done = torch.zeros_like(self.core.done)
         self.slots: list[GenerationRequest | None] = [None] * batch
+        self.held: list[list[int] | None] = [None] * batch  # a free row's tokens still in its caches (`park`)
         for row in range(batch):
             self.park(row)
 
-    def park(self, row: int) -> None:
-        """Freeze row `row` and move its columns to the start of the buffers, so that the rounds it sits through
-        while free stay inside them."""
+    def park(self, row: int, held: list[int] | None = None) -> None:
+        """Freeze row `row`. With `held` (the tokens its caches hold, `RoundCore.held_tokens`), its columns stay, so
+        that a next turn of the same conversation can reuse them: the rounds it sits through while free write only
+        at and past its `start` (inside the buffers: every request leaves `Engine.reserve` columns free past its end).
+        Without, its columns move to the start of the buffers."""
         core = self.core
         core.done[row] = True
-        core.start[row] = 0
-        core.first_column[row] = 0
-        core.context_columns[row] = core.offsets
-        self.slots[row] = None
+        self.slots[row], self.held[row] = None, held
+        if held is None:
+            core.start[row] = 0
+            core.first_column[row] = 0
+            core.context_columns[row] = core.offsets
+
+    def free_row(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """A free row for a prompt, and how many of its first tokens that row still holds: the row holding the
+        longest prefix of it (an earlier turn of the conversation), else an empty row, else any free one."""
+        free = [row for row, slot in enumerate(self.slots) if slot is None]
+        best, keep = None, 0
+        for row in free:
+            held = self.held[row] or []
+            limit = min(len(held), len(prompt_ids) - 1)  # the prompt's last token is always encoded
+            common = next((i for i in range(limit) if held[i] != prompt_ids[i]), limit)
+            if common > keep:
+                best, keep = row, common
+        if best is None:
+            best = next((row for row in free if self.held[row] is None), free[0])
+        return best, keep
 
     def requests(self) -> list[GenerationRequest]:
         return [slot for slot in self.slots if slot is not None]
@@ -134,7 +153,7 @@ class Engine:
         self.condition = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
-        self.metrics = collections.Counter()  # requests, prompt_tokens, completion_tokens, target_forwards, row_moves
+        self.metrics = collections.Counter()  # requests, prompt_tokens, completion_tokens, target_forwards, ...
 
     @property
     def runner(self):
@@ -155,7 +174,7 @@ class Engine:
         for row, (source_row, request) in enumerate((r, q) for r, q in enumerate(old.slots) if q is not None):
             target.core.copy_row(row, old.core, source_row)
             target.sampled_rows[row] = request.sampling.do_sample
-            target.slots[row] = request
+            target.slots[row], target.held[row] = request, None
             old.park(source_row)
             self.metrics["row_moves"] += 1
         self.active = target
@@ -262,14 +281,20 @@ class Engine:
             if request.cancelled:
                 continue
             self.resize(running + 1)
-            row = self.active.slots.index(None)
-            self.admit(row, request)
+            self.admit(*self.active.free_row(request.prompt_ids), request)
 
-    def admit(self, row: int, request: GenerationRequest) -> None:
+    def admit(self, row: int, keep: int, request: GenerationRequest) -> None:
+        """Prefill `request` into row `row`, encoding only what follows the `keep` tokens the row still holds when
+        they fit where they lie."""
         rows, core = self.active, self.core
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         request.generator = torch.Generator(core.device).manual_seed(seed)
-        core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator)
+        if keep and int(core.first_column[row]) + len(request.prompt_ids) + request.max_tokens + self.reserve > \
+                self.capacity:
+            keep = 0
+        if core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator, keep):
+            self.metrics["prompt_tokens_reused"] += keep
+        rows.held[row] = None
         rows.sampled_rows[row] = request.sampling.do_sample
         request.started_at = time.monotonic()
         rows.slots[row] = request
@@ -354,8 +379,10 @@ class Engine:
         return finish
 
     def release(self, row: int, request: GenerationRequest, finish: str) -> None:
-        """The request is over: count it, tell it, free its row."""
-        self.active.park(row)
+        """The request is over: count it, tell it, free its row (keeping what its caches hold for a next turn)."""
+        rows = self.active
+        held = None if finish == "cancelled" else rows.views[row].held_tokens([request.prompt_ids])[0]
+        rows.park(row, held)
         self.metrics["completion_tokens"] += len(request.tokens)
         self.metrics["target_forwards"] += request.target_forwards
         if finish != "cancelled":

@@ -220,6 +220,20 @@ def test_seeded_sampled_request_is_the_same_alone_and_among_seven_others(tiny):
     assert answers[1] == plain_greedy(target, tokenizer, [{"role": "user", "content": PROMPTS[1]}], 11)
 
 
+def test_a_later_turn_reuses_the_rows_cache_and_equals_plain_greedy_on_the_whole_conversation(tiny):
+    server, target, tokenizer = tiny
+    conversation = [{"role": "user", "content": "Describe the sea."}]
+    for turn, follow_up in enumerate(["Shorter, please.", "Now as a list.", "Thanks."]):
+        expected = plain_greedy(target, tokenizer, conversation, 12)
+        reused = metric(server.url, "dflash2_prompt_tokens_reused_total")
+        reply = server.client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == expected
+        if turn:  # the row of the turn before still held the conversation up to its answer
+            assert metric(server.url, "dflash2_prompt_tokens_reused_total") - reused >= len(
+                conversation_ids(tokenizer, conversation[:1]))
+        conversation += [{"role": "assistant", "content": expected}, {"role": "user", "content": follow_up}]
+
+
 def test_completions_stop_strings_models_and_metrics(tiny):
     server, target, tokenizer = tiny
     prompt = "Once upon a time"
