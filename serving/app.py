@@ -314,13 +314,15 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
-        settings = request_settings(body, chat_prompt(body, engine.tokenizer), engine, default, default_max_tokens)
+        prompt_ids = chat_prompt(body, engine.tokenizer)
+        settings = request_settings(body, prompt_ids, engine, default, default_max_tokens)
         return await respond(request, settings, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        settings = request_settings(body, completion_prompt(body, engine.tokenizer), engine, default, default_max_tokens)
+        prompt_ids = completion_prompt(body, engine.tokenizer)
+        settings = request_settings(body, prompt_ids, engine, default, default_max_tokens)
         return await respond(request, settings, chat=False)
 
     async def respond(http_request, settings: RequestSettings, chat: bool):

@@ -180,7 +180,8 @@ def test_eight_concurrent_clients_each_get_their_solo_greedy_answer(tiny):
 
     def ask(index):
         reply = chat(server.client, PROMPTS[index], limits[index], temperature=0)
-        answers[index] = (reply.choices[0].message.content, reply.usage.completion_tokens, reply.choices[0].finish_reason)
+        choice = reply.choices[0]
+        answers[index] = (choice.message.content, reply.usage.completion_tokens, choice.finish_reason)
 
     moves = metric(server.url, "dflash2_row_moves_total")
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
