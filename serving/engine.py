@@ -1,11 +1,11 @@
-"""Continuous batching on DFlash 2's own loop: requests take rows of one round runner as rows free up.
+"""Continuous batching on DFlash 2's own loop: requests take rows of the loop's round runners as rows free up.
 
-One runner of `rows` rows and fixed capacity serves every request. A request waits in a bounded queue until a row is
-free, then is prefilled into that row alone (`RoundCore.admit`: the other rows keep their state), and the next round
-decodes it beside the others. Rounds are the runner's own (captured as CUDA graphs on one GPU, fused once the
-background build is ready): admission writes into the same fixed buffers, so no new shape is ever compiled or
-captured. A row that finishes (EOS, its token limit, a stop string, a client that left) is frozen on the device at the
-next host read and taken by the next waiting request.
+A request waits in a bounded queue until a row is free, then is prefilled into that row alone (`RoundCore.admit`: the
+other rows keep their state), and the next round decodes it beside the others. Rounds are the runners' own (captured
+as CUDA graphs on one GPU, fused once the background build is ready): admission writes into the same fixed buffers,
+so no new shape is ever compiled or captured. A row that finishes (EOS, its token limit, a stop string, a client that
+left) is frozen on the device at the next host read and taken by the next waiting request. The engine keeps runners
+of 1, 2, 4, ... rows and decodes on the smallest that holds the running requests (`Engine.resize`).
 
 Each row keeps its own temperature, top-k, top-p, token limit and random generator. The greedy and the sampled round
 are two different rounds of the core; when both kinds of request run at once, the engine runs one of each per step,
