@@ -293,6 +293,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
 
     @app.get("/health")
     async def health():
+        if engine.stopping:  # shutting down, or the engine failed
+            return JSONResponse(error_body("The server is shutting down.", "service_unavailable"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
