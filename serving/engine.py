@@ -292,7 +292,11 @@ class Engine:
         if keep and int(core.first_column[row]) + len(request.prompt_ids) + request.max_tokens + self.reserve > \
                 self.capacity:
             keep = 0
-        if core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator, keep):
+        if rows.batch == 1 and not keep:  # the batch is this row alone: the runner's prefill (captured on CUDA)
+            core.set_sampling(request.sampling, self.eos)
+            ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=core.device)
+            rows.runner.prefill(ids, torch.ones_like(ids), request.max_tokens, request.generator)
+        elif core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator, keep):
             self.metrics["prompt_tokens_reused"] += keep
         rows.held[row] = None
         rows.sampled_rows[row] = request.sampling.do_sample
