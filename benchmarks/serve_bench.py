@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import threading
 import time
 from urllib.parse import urlparse
