@@ -315,19 +315,16 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
-        prompt_ids = chat_prompt(body, engine.tokenizer)
-        settings = request_settings(body, prompt_ids, engine, default, default_max_tokens)
-        return await respond(request, settings, chat=True)
+        return await respond(request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
-        prompt_ids = completion_prompt(body, engine.tokenizer)
-        settings = request_settings(body, prompt_ids, engine, default, default_max_tokens)
-        return await respond(request, settings, chat=False)
+        return await respond(request, chat=False)
 
-    async def respond(http_request, settings: RequestSettings, chat: bool):
+    async def respond(http_request, chat: bool):
+        body = await read_body(http_request)
+        prompt_ids = (chat_prompt if chat else completion_prompt)(body, engine.tokenizer)
+        settings = request_settings(body, prompt_ids, engine, default, default_max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
