@@ -26,6 +26,7 @@ weights in the package; `aot_compile` keeps inductor's Python runtime, the one `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -349,14 +350,21 @@ CHECK_SAMPLING = Sampling(True, temperature=0.7, top_k=20, top_p=0.9)
 # runs on the wrong weights or state is off by order one
 FLOAT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 5e-2
+# In half precision, the margin of the eager round's token over the fused round's token at the first token where a
+# row's rounds part, relative to the largest logit there, below which the two are a near tie that other kernels'
+# rounding can flip (bf16 resolves 2^-8 relative; thirty layers of rounding move logits by about 1 % of their
+# scale). A fused round on wrong weights, positions or masks parts with margins of order one.
+NEAR_TIE = 2e-2
+# What a round writes, per row: compared for the rows whose rounds agree (`round_differences`)
+ROUND_OUTPUTS = ("accepted_per_position", "anchor", "context_columns", "done", "features", "output", "output_length",
+                 "rounds", "start")
 
 
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
     """Runs `program`'s round eager and `fused` from the same state (`round_differences`); [] when they agree, else
-    what differed. A near tie can flip an accepted draft or the target's own token in half precision, so a
-    disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
-    restored after."""
+    what differed. A round whose rows all part on near ties is followed by another from the eager round's state, up to
+    `rounds` in all; the core's state is restored after."""
     with preserved(core):
         for _ in range(rounds):
             differences = round_differences(core, program, fused)
@@ -367,48 +375,115 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
 
 
 @torch.no_grad()
-def round_differences(core: RoundCore, program: RoundProgram, fused, live_only: bool = True) -> list[str]:
-    """One round eager and one `fused` from the core's current state (restored after): what differed, [] when they
-    agree -- integer state equal, floating state within `FLOAT_TOLERANCE`. `live_only`: only the live state
-    (`RoundCore.live_entries`: what anything reads later). Rejected drafts are left out there: in half precision
-    their tokens flip on near ties between other kernels, and with them the features and keys written for them."""
+def round_differences(core: RoundCore, program: RoundProgram, fused) -> list[str]:
+    """One round eager and one `fused` from the core's current state (restored after), compared row by row: what
+    differed, [] when they agree.
+
+    A row whose rounds emit the same tokens agrees when its integer state is equal and its floating state within
+    `FLOAT_TOLERANCE`, over what later rounds read (`RoundCore.live_entries`: a rejected draft's entries, which flip
+    on near ties between kernels in half precision, are left out). A row whose rounds part (`parting`) is allowed
+    only in half precision and only where rounding explains it; its state is then compared up to where they part.
+    At least one row must agree in full (else the next round is checked: `agreement`)."""
     names = program.state_names()
     buffers = dict(zip(names, program.state()))
+    start, length = core.start.clone(), core.output_length.clone()
     with preserved(core):
-        program.eager()
+        with recorded_verification(core) as verified:
+            program.eager()
         eager = {name: tensor.clone() for name, tensor in buffers.items()}
-        live = core.live_entries() if live_only else {}
     with preserved(core):
         fused()
+        parted, unexplained = parting(core, program.round_name != "round", start, length, eager, buffers, verified)
+        if unexplained:
+            return unexplained
+        agreeing = ~parted["rows"]
+        if not agreeing.any():
+            return [f"every row parted from the eager round (row 0 after {int(parted['tokens'][0])} tokens)"]
+        live = core.live_entries(start=torch.where(agreeing, eager["start"], start + 1 + parted["depth"]),
+                                 length=torch.where(agreeing, eager["output_length"], length + parted["tokens"]),
+                                 context_columns=eager["context_columns"])
         return [difference for name in names if (difference := differs(
-            name, buffers[name], eager[name], live_mask(name, live) if live_only else None)) is not None]
+            name, buffers[name], eager[name], compared_entries(name, live, agreeing))) is not None]
 
 
-@torch.no_grad()
-def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str]:
-    """`agreement` of the sampled round under `CHECK_SAMPLING` on every row and seeded noise (settings and noise are
-    core tensors: restored after, with the rest of the state)."""
-    with preserved(core):
-        core.temperature.fill_(CHECK_SAMPLING.temperature)
-        core.top_k.fill_(CHECK_SAMPLING.top_k)
-        core.top_p.fill_(CHECK_SAMPLING.top_p)
-        core.draw_noise(torch.Generator(core.device).manual_seed(0))
-        return agreement(core, program, fused)
+def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: dict, verified: dict):
+    """Where each row's fused round (the `sampled` one, or greedy) parts from its eager round (both from `start`, `length`): ({"rows": which rows
+    emitted other tokens or another number of them, "tokens": how many leading tokens they share, "depth": the depth
+    of the deepest node both accepted paths share}, [why a parting cannot be rounding]).
+
+    Every token a greedy round emits is the target's argmax after the accepted path before it, so where two rounds'
+    tokens first differ, the eager round's logits there must be a near tie between the two (`NEAR_TIE`); a wrong
+    round parts with a margin of order one. Rounds that share their tokens and emit another number of them drafted
+    other trees (near ties among the drafter's candidates): the target still chose every token. The sampled round
+    draws its tokens from the same noise by other kernels; its own steps read no padding and no position (the model
+    forwards they share with the greedy round are checked there), so its partings are rounding too, and its state is
+    still compared up to them. In fp32 no row may part."""
+    batch = core.batch
+    rows = torch.zeros(batch, dtype=torch.bool)
+    tokens, depth, unexplained = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long), []
+    half = core.target_dtype not in FLOAT_TOLERANCE
+    for row in range(batch):
+        begin = int(length[row])
+        ours = eager["output"][row, begin: int(eager["output_length"][row])].tolist()
+        theirs = fused["output"][row, begin: int(fused["output_length"][row])].tolist()
+        shared = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        tokens[row], depth[row] = shared, min(shared, len(ours) - 1, len(theirs) - 1)
+        if ours == theirs:
+            continue
+        rows[row] = True
+        if not half:
+            unexplained.append(f"row {row}: the fused round emitted {theirs}, the eager round {ours}")
+        elif shared < min(len(ours), len(theirs)) and not sampled:
+            logits = verified["logits"][row, int(verified["path"][row, shared])].float()
+            margin = float(logits[ours[shared]] - logits[theirs[shared]])
+            tolerance = NEAR_TIE * float(logits.abs().max())
+            if margin > tolerance:
+                unexplained.append(f"row {row}: token {shared} of the round is {theirs[shared]} fused, {ours[shared]} "
+                                   f"eager, whose logits part by {margin:.3g} > {tolerance:.3g} (no near tie)")
+    return {"rows": rows.to(core.device), "tokens": tokens.to(core.device), "depth": depth.to(core.device)}, unexplained
 
 
-def live_mask(name: str, live: dict) -> torch.Tensor | None:
-    """The mask of `live` (`RoundCore.live_entries`) for the state tensor `name`, or None where all of it is live."""
+@contextlib.contextmanager
+def recorded_verification(core: RoundCore):
+    """While an eager round of `core` runs: the target's logits at each node it verified ("logits" [b, N, V]) and the
+    nodes of the accepted path by depth ("path" [b, B]; a path round's block is its path)."""
+    seen = {"path": core.offsets.expand(core.batch, -1)}
+
+    def recording(method):
+        def verify(*args):
+            logits, features = method(*args)
+            seen["logits"] = logits
+            return logits, features
+        return verify
+
+    def keep_path(path):
+        seen["path"] = path
+        RoundCore.keep_path(core, path)
+
+    core.verify, core.verify_tree, core.keep_path = recording(core.verify), recording(core.verify_tree), keep_path
+    try:
+        yield seen
+    finally:
+        for name in ("verify", "verify_tree", "keep_path"):
+            vars(core).pop(name, None)
+
+
+def compared_entries(name: str, live: dict, agreeing: torch.Tensor) -> torch.Tensor | None:
+    """The mask of `live` (`RoundCore.live_entries`) for the state tensor `name`; a round's own per-row outputs only
+    for the `agreeing` rows (output and features up to where a row parted); None where all of it is compared."""
     if name in live:
         return live[name]
     if name.startswith(("target_cache.", "draft_cache.")):
         return live["cache_columns"][:, None, :, None]  # [b, 1, capacity, 1] over [b, kv heads, capacity, head dim]
+    if name in ROUND_OUTPUTS:
+        return agreeing
     return None
 
 
 def differs(name: str, fused: torch.Tensor, eager: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
     """What differs between `fused` and `eager` (where `mask` is True, when given), or None."""
-    if mask is not None:
-        mask = mask.to(eager.device).expand_as(eager)
+    if mask is not None:  # a mask of leading dimensions covers the ones after
+        mask = mask.to(eager.device).reshape(*mask.shape, *[1] * (eager.dim() - mask.dim())).expand_as(eager)
         fused, eager = fused[mask], eager[mask]
     if not eager.is_floating_point():
         return None if torch.equal(fused, eager) else f"{name}: {int((fused != eager).sum())} values differ"
