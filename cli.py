@@ -265,6 +265,7 @@ def command_precompile(args) -> None:
             capacities.append(capacity_for(needed, graphs))
             needed = capacities[-1] + 1
         new_tokens = [capacity - fixed for capacity in capacities]
+    exported = []
     for batch in args.batch_sizes:
         rows = ids.expand(batch, -1)
         for max_new_tokens in new_tokens:
@@ -277,7 +278,31 @@ def command_precompile(args) -> None:
                   file=sys.stderr, flush=True)
             drafter.wait_for_fusion()
             target.generate(rows, **kwargs)
-            print(f"batch {batch}, {capacity} columns: {drafter.round_kind(1 << (batch - 1).bit_length())}", flush=True)
+            bucket = 1 << (batch - 1).bit_length()
+            print(f"batch {batch}, {capacity} columns: {drafter.round_kind(bucket)}", flush=True)
+            if args.artifacts is not None:
+                exported.extend(export_artifact(drafter.round_runners(bucket)[-1], Path(args.artifacts)))
+    if args.artifacts is not None:
+        total = sum(path.stat().st_size for path in exported)
+        print(f"{len(exported)} packages, {total / 1e6:.1f} MB in {args.artifacts}", flush=True)
+        if total > ARTIFACTS_BUDGET:
+            print(f"dflash2: warning: {total / 1e6:.1f} MB is above the {ARTIFACTS_BUDGET / 1e6:.0f} MB a GPU kind's "
+                  "packages may take in a shipped folder; ship fewer batch sizes or capacities.", file=sys.stderr)
+
+
+ARTIFACTS_BUDGET = 32 * 1000 * 1000  # bytes of shipped packages per GPU kind and toolchain
+
+
+def export_artifact(runner, folder: Path) -> list[Path]:
+    """The runner's fused package copied into `folder` under its portable key (`fusion.export_package`); [] when it
+    runs no fused package (the build failed: its warning said why)."""
+    from dflash2.generation.fusion import export_package
+
+    if runner.fusion is None or runner.fusion.state != "used":
+        return []
+    path = export_package(runner.core, runner.fusion.path, folder)
+    print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+    return [path]
 
 
 CACHE_FOLDERS = ("fused-rounds", "targets", "packages")  # what dflash2 writes under its cache folder
@@ -389,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="build for every buffer capacity up to the one a request of this many tokens (prompt "
                                  "and new tokens) needs -- on CUDA 512, 1024, ... columns (default: only the capacity "
                                  "of a short prompt and --max-new-tokens)")
+    precompile.add_argument("--artifacts", default=None, metavar="DIR",
+                            help="also copy the built packages into DIR under keys of this GPU and toolchain (put them "
+                                 "in a drafter folder's fused-rounds/ to ship them: a fresh machine with the same GPU, "
+                                 "torch, triton, CUDA and Python then runs fused rounds from its first call)")
     precompile.set_defaults(run=command_precompile)
 
     cache = commands.add_parser("cache", help="list or clear what dflash2 keeps in its cache folder",

@@ -31,6 +31,8 @@ import hashlib
 import inspect
 import json
 import os
+import platform
+import shutil
 import sys
 import tempfile
 import warnings
@@ -185,9 +187,11 @@ def spec_of(core: RoundCore) -> dict:
     }
 
 
-def package_key(spec: dict) -> str:
+def package_key(spec: dict, portable: bool = False) -> str:
     """Changes with anything that changes the compiled rounds: shapes, configs, dtypes, device, code, versions (not
-    the sampling settings or EOS ids: tensors the rounds read)."""
+    the sampling settings or EOS ids: tensors the rounds read). `portable`: the key of a shipped package
+    (`shipped_package`), which leaves out the CUDA driver: the kernels are cubins for the GPU's architecture, built by
+    triton's own compiler, and any driver that runs this CUDA runtime loads them."""
     import transformers
 
     device = torch.device(spec["device"])
@@ -201,22 +205,70 @@ def package_key(spec: dict) -> str:
     described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config")},
                            sort_keys=True, default=str)
     parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
-             str(hardware), *toolchain_versions(device), transformers.__version__, code.hexdigest()]
+             str(hardware), *toolchain_versions(device, driver=not portable), transformers.__version__,
+             code.hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def toolchain_versions(device: torch.device) -> list[str]:
-    """What inductor's code depends on beside torch: triton's version and, on CUDA, the CUDA runtime and driver."""
+def toolchain_versions(device: torch.device, driver: bool = True) -> list[str]:
+    """What inductor's code depends on beside torch: Python (a package holds bytecode), triton's version and, on
+    CUDA, the CUDA runtime and (`driver`) the driver."""
     try:
         import triton
 
-        versions = [torch.__version__, f"triton {triton.__version__}"]
+        versions = [torch.__version__, f"triton {triton.__version__}", f"python {platform.python_version()}"]
     except ImportError:
-        versions = [torch.__version__, "no triton"]
+        versions = [torch.__version__, "no triton", f"python {platform.python_version()}"]
     if device.type == "cuda":
-        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()
-        versions += [f"cuda {torch.version.cuda}", f"driver {driver}"]
+        versions.append(f"cuda {torch.version.cuda}")
+        if driver:
+            versions.append(f"driver {getattr(torch._C, '_cuda_getDriverVersion', lambda: 'unknown')()}")
     return versions
+
+
+# ------------------------------------------------------------------------------------------------ shipped packages
+SHIPPED_FOLDER = "fused-rounds"  # in a drafter folder or in dflash2's installed package: `<portable key>.round` files
+
+
+def shipped_folders(drafter) -> list[Path]:
+    """Where packages built elsewhere for the same GPU and toolchain may lie (`dflash2 precompile --artifacts`): the
+    drafter's own folder, then dflash2's package folder."""
+    folders = []
+    name = getattr(drafter, "name_or_path", None)
+    if name and Path(name).is_dir():
+        folders.append(Path(name) / SHIPPED_FOLDER)
+    package = sys.modules.get(__name__.rsplit(".", 2)[0]) if __name__.count(".") >= 2 else None
+    if package is not None and getattr(package, "__file__", None):
+        folders.append(Path(package.__file__).parent / SHIPPED_FOLDER)
+    return folders
+
+
+def shipped_package(core: RoundCore) -> Path | None:
+    """The shipped package of `core`'s round: one whose portable key (`package_key`) matches this GPU, toolchain,
+    code, configs and shapes; None when there is none. It is checked like any package before it is used."""
+    name = f"{package_key(spec_of(core), portable=True)}.round"
+    return next((folder / name for folder in shipped_folders(core.drafter) if (folder / name).is_file()), None)
+
+
+def export_package(core: RoundCore, package: Path, folder: Path) -> Path:
+    """Copy `core`'s built `package` into `folder` under its portable key (atomically): what `shipped_package` finds
+    on another machine with the same GPU and toolchain."""
+    folder.mkdir(parents=True, exist_ok=True)
+    destination = folder / f"{package_key(spec_of(core), portable=True)}.round"
+    copy_atomically(package, destination)
+    return destination
+
+
+def copy_atomically(source: Path, destination: Path) -> None:
+    """`source` copied to `destination`, which appears whole or not at all."""
+    with tempfile.NamedTemporaryFile(dir=destination.parent, prefix=f".{destination.name}.", delete=False) as f:
+        partial = Path(f.name)
+    try:
+        shutil.copyfile(source, partial)
+        os.replace(partial, destination)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:

@@ -622,3 +622,75 @@ def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypat
     runner = decode.round_runner_for(target, drafter, 1, 40, compile, graphs)
     assert (runner.fusion == "building") is background and len(made) == int(background)
     assert runner.mode == ("compile" if compile is True else ("graph" if graphs else "eager"))
+
+
+# ------------------------------------------------------------------------------------------------ shipped packages
+def shipped_pair(tmp_path, seed: int):
+    """A tiny pair whose drafter was loaded from a folder of its own (as the shipped drafter is), and the core of its
+    first call (made with compile=False: the same shapes as compile="background"'s)."""
+    target, drafter = tiny_pair(seed)
+    drafter.name_or_path = str(tmp_path / "drafter")
+    (tmp_path / "drafter").mkdir()
+    target.generate(prompt(6), max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                    cache_implementation="static", compile=False)
+    (runner,) = drafter.round_runners()
+    return target, drafter, runner.core
+
+
+def test_a_shipped_package_is_found_only_where_every_key_matches(tmp_path, monkeypatch):
+    """`dflash2 precompile --artifacts` names a package by its portable key; a drafter folder's fused-rounds/ holding
+    it is found for a core of the same shapes, configs, code and versions, and ignored when any of them differs:
+    torch's or Python's version, the batch, the buffers' capacity, the drafter's config."""
+    target, drafter, core = shipped_pair(tmp_path, 24)
+    built = tmp_path / "built.round"
+    built.write_bytes(b"a package")
+    shipped = fusion.export_package(core, built, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
+    assert fusion.shipped_package(core) == shipped and shipped.read_bytes() == b"a package"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "0.0.1")
+        assert fusion.shipped_package(core) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(fusion.platform, "python_version", lambda: "3.0.0")
+        assert fusion.shipped_package(core) is None
+    for batch, capacity in ((2, core.capacity), (1, core.capacity * 2)):
+        assert fusion.shipped_package(RoundCore(target, drafter, batch, capacity)) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(drafter.config, "tree_width", drafter.config.tree_width + 1)
+        assert fusion.shipped_package(core) is None
+    assert fusion.shipped_package(core) == shipped
+
+
+def test_a_damaged_shipped_package_falls_back_with_one_warning(tmp_path, monkeypatch):
+    """A shipped package that will not load is refused once, with one warning; the call answers with the unfused
+    round (equal to plain greedy), a build starts in the background, and the shipped file is left as it was."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    target, drafter, core = shipped_pair(tmp_path, 26)
+    damaged = tmp_path / "damaged.round"
+    damaged.write_bytes(b"damaged" * 100)
+    shipped = fusion.export_package(core, damaged, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
+    drafter.release()
+    with pytest.warns(UserWarning, match="could not be used .* building it again in the background"):
+        runner = background_equals_plain(target, drafter, prompt(6), 16)
+    assert runner.kind == "eager" and runner.fusion.state == "building"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        background_equals_plain(target, drafter, prompt(9), 16)
+    runner.fusion.process.kill()
+    runner.fusion.wait()
+    assert shipped.read_bytes() == b"damaged" * 100
+
+
+@pytest.mark.slow
+def test_a_shipped_package_runs_from_the_first_call_of_a_fresh_cache(tmp_path, monkeypatch):
+    """A package built once and exported into the drafter's folder: a process with an empty cache finds it, checks it
+    and runs it from its first call, with no child; outputs equal plain greedy."""
+    target, drafter, core = shipped_pair(tmp_path, 28)
+    built = tmp_path / "built.round"
+    fusion.build_package(fusion.spec_of(core), built)
+    fusion.export_package(core, built, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
+    drafter.release()
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "empty-cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner = background_equals_plain(target, drafter, prompt(6), 16)
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
