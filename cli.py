@@ -244,8 +244,9 @@ def command_train(args) -> None:
 # ------------------------------------------------------------------------------------------------ precompile / cache
 def command_precompile(args) -> None:
     """Short calls with compile="background" for every batch size (and, with --max-length, every buffer capacity up
-    to the one such a request needs), each waiting for its child: the packages are on disk for every later process with
-    the same shapes."""
+    to the one such a request needs), whose children build side by side; once all are done, a second call of each
+    shape switches to its package (and, with --artifacts, exports it): the packages are on disk for every later
+    process with the same shapes."""
     import torch
 
     from dflash2.generation.decode import capacity_for, uses_graphs
@@ -265,23 +266,27 @@ def command_precompile(args) -> None:
             capacities.append(capacity_for(needed, graphs))
             needed = capacities[-1] + 1
         new_tokens = [capacity - fixed for capacity in capacities]
-    exported = []
-    for batch in args.batch_sizes:
+    shapes = [(batch, max_new_tokens) for batch in args.batch_sizes for max_new_tokens in new_tokens]
+
+    def call(batch, max_new_tokens):
         rows = ids.expand(batch, -1)
-        for max_new_tokens in new_tokens:
-            kwargs = dict(attention_mask=torch.ones_like(rows), max_new_tokens=max_new_tokens, assistant_model=drafter,
-                          pad_token_id=tokenizer.eos_token_id, cache_implementation="static", compile="background",
-                          **sampling)
-            target.generate(rows, **kwargs)
-            capacity = capacity_for(fixed + max_new_tokens, graphs)
-            print(f"dflash2: batch {batch}, {capacity} columns: building the fused round (a minute or more)...",
-                  file=sys.stderr, flush=True)
-            drafter.wait_for_fusion()
-            target.generate(rows, **kwargs)
-            bucket = 1 << (batch - 1).bit_length()
-            print(f"batch {batch}, {capacity} columns: {drafter.round_kind(bucket)}", flush=True)
-            if args.artifacts is not None:
-                exported.extend(export_artifact(drafter.round_runners(bucket)[-1], Path(args.artifacts)))
+        target.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=max_new_tokens,
+                        assistant_model=drafter, pad_token_id=tokenizer.eos_token_id, cache_implementation="static",
+                        compile="background", **sampling)
+        return drafter.round_runners(1 << (batch - 1).bit_length())[-1]
+
+    builds = [call(*shape).fusion for shape in shapes]  # every child starts now: the builds run side by side
+    print(f"dflash2: building the fused round of {len(shapes)} shape(s) side by side (a minute or more)...",
+          file=sys.stderr, flush=True)
+    for build in builds:
+        if build is not None:
+            build.wait()
+    exported = []
+    for batch, max_new_tokens in shapes:
+        runner = call(batch, max_new_tokens)  # switches to the package (a runner let go meanwhile finds it on disk)
+        print(f"batch {batch}, {runner.core.capacity} columns: {runner.kind}", flush=True)
+        if args.artifacts is not None:
+            exported.extend(export_artifact(runner, Path(args.artifacts)))
     if args.artifacts is not None:
         total = sum(path.stat().st_size for path in exported)
         print(f"{len(exported)} packages, {total / 1e6:.1f} MB in {args.artifacts}", flush=True)

@@ -320,7 +320,11 @@ def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, mo
     out, err = capsys.readouterr()
     assert "building the fused round" in err and out.strip() == "batch 1, 256 columns: fused ahead of time"
     assert len(list(tmp_path.rglob("*.round"))) == 1
-    cli.main(["precompile", "--max-length", "300"])  # every capacity up to a 300-token request's: 256 (built), 512
+    shipped = tmp_path / "shipped"
+    # every capacity up to a 300-token request's: 256 (built), 512; both exported under their portable keys
+    cli.main(["precompile", "--max-length", "300", "--artifacts", str(shipped)])
     out, err = capsys.readouterr()
-    assert out.split("\n")[:2] == ["batch 1, 256 columns: fused ahead of time", "batch 1, 512 columns: fused ahead of time"]
-    assert len(list(tmp_path.rglob("*.round"))) == 2
+    lines = out.split("\n")
+    assert lines[0] == "batch 1, 256 columns: fused ahead of time"
+    assert lines[2] == "batch 1, 512 columns: fused ahead of time" and "2 packages" in lines[4]
+    assert len(list((tmp_path / "fused-rounds").glob("*.round"))) == 2 and len(list(shipped.glob("*.round"))) == 2

@@ -1,0 +1,120 @@
+"""The first minutes of a fresh process, call by call: how soon DFlash 2's own loop runs its fused round.
+
+    python -m dflash2.benchmarks.first_minute --seconds 300 --out first_minute.jsonl              # greedy, batch 1
+    python -m dflash2.benchmarks.first_minute --seconds 300 --temperature 0.7 --top-p 0.9 --out sampled.jsonl
+    python -m dflash2.benchmarks.first_minute --seconds 120 --batch 8 --out batch8.jsonl            # 8 prompts a call
+
+Before anything compiles, the compile caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) and dflash2's
+`fused-rounds/` start empty (fresh temporary folders; dflash2's fetched data files and converted targets are reused,
+as a machine without a network needs them): what a user meets on a fresh machine, with whatever packages ship in the
+drafter folder's or dflash2's `fused-rounds/` (`dflash2 precompile --artifacts`). `--keep-caches` uses the caches as
+they are.
+
+It cycles MT-Bench first turns and HumanEval prompts (half each of `--prompts`), `--max-new-tokens` new tokens a
+call, for `--seconds` from the first call, and prints one line per call: its start since the first call, its tokens
+per second, and how the rounds ran ("graph (eager kernels)" or "graph (fused ahead of time)"). The summary gives each
+prompt's steady fused speed (the median of its fused calls) and, for the calls that start `--after` seconds or more
+after the first, how many ran at 0.8x their prompt's steady fused speed or more. `--out` keeps every call as a JSON
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def fresh_caches() -> None:
+    """Empty compile caches and an empty fused-rounds/ (data files and converted targets linked from the usual
+    cache), for this process and the children it starts; inductor and triton read them when they first compile."""
+    from dflash2.generation.fusion import cache_root
+
+    usual, fresh = cache_root(), Path(tempfile.mkdtemp(prefix="dflash2-first-minute-"))
+    for kept in ("packages", "targets"):
+        if (usual / kept).is_dir():
+            (fresh / kept).symlink_to(usual / kept)
+    os.environ["DFLASH2_CACHE"] = str(fresh)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(fresh / "triton")
+    print(f"fresh caches under {fresh}", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=300, help="keep calling this long from the first call")
+    parser.add_argument("--after", type=float, default=60, help="the calls judged start this late or later")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded)")
+    parser.add_argument("--prompts", type=int, default=32, help="MT-Bench and HumanEval prompts cycled, half each")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--keep-caches", action="store_true", help="use the caches as they are")
+    parser.add_argument("--out", default=None, help="JSON lines, one per call")
+    args = parser.parse_args(argv)
+    if not args.keep_caches:
+        fresh_caches()
+    import torch
+
+    from dflash2.generation import DFlash2Drafter, load_target
+    from dflash2.pairs import DEFAULT_DRAFTER
+    from dflash2.tasks import chat_prompt_ids, task_prompts
+
+    drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.bfloat16).to("cuda").eval()
+    target, tokenizer = load_target(drafter.config, dtype=torch.bfloat16)
+    target.to("cuda").eval()
+    drafter.attach(target)
+    texts = task_prompts("mtbench", args.prompts // 2) + task_prompts("humaneval", args.prompts - args.prompts // 2,
+                                                                      skip=100)
+    prompts = [chat_prompt_ids(tokenizer, text) for text in texts]
+    sampling = (dict(do_sample=True, temperature=args.temperature, top_p=args.top_p or 1.0)
+                if args.temperature is not None else dict(do_sample=False))
+    calls, first, index = [], None, 0
+    out = open(args.out, "w") if args.out else None
+    while first is None or time.perf_counter() - first < args.seconds:
+        chosen = [index % len(prompts) + row for row in range(args.batch)]
+        rows = [prompts[i % len(prompts)] for i in chosen]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(r)) + r for r in rows], device="cuda")
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        first = started if first is None else first
+        output = target.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                 assistant_model=drafter, cache_implementation="static",
+                                 pad_token_id=tokenizer.eos_token_id, **sampling)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        tokens = int((output[:, width:] != tokenizer.eos_token_id).sum())  # every row's new tokens before EOS
+        call = {"call": len(calls), "prompt": index % len(prompts), "start_s": round(started - first, 2),
+                "seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                "kind": drafter.round_kind(1 << (args.batch - 1).bit_length())}
+        calls.append(call)
+        print(f"{call['start_s']:7.1f} s  prompt {call['prompt']:2d}  {call['tokens_per_s']:7.1f} tok/s  "
+              f"{call['kind']}", flush=True)
+        if out:
+            out.write(json.dumps(call) + "\n")
+        index += args.batch
+    summarize(calls, args.after)
+
+
+def summarize(calls: list[dict], after: float) -> None:
+    """Each prompt's steady fused speed, and how many of the calls from `after` seconds on reached 0.8x of it."""
+    fused = {}
+    for call in calls:
+        if "fused" in (call["kind"] or ""):
+            fused.setdefault(call["prompt"], []).append(call["tokens_per_s"])
+    steady = {prompt: statistics.median(speeds) for prompt, speeds in fused.items()}
+    judged = [call for call in calls if call["start_s"] >= after]
+    fast = [call for call in judged if call["prompt"] in steady and call["tokens_per_s"] >= 0.8 * steady[call["prompt"]]]
+    switch = next((call["start_s"] for call in calls if "fused" in (call["kind"] or "")), None)
+    print(f"first fused call at {switch} s; calls from {after:.0f} s on at >= 0.8x their prompt's steady fused speed: "
+          f"{len(fast)}/{len(judged)}; {len(calls)} calls", flush=True)
+
+
+if __name__ == "__main__":
+    main()
