@@ -15,10 +15,18 @@ Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
 compile takes the interpreter for tens of seconds.
 
+A package is relocatable: `aot_compile` bundles inductor's generated code and triton's compiled kernels (cubins)
+with the traced program, and loading writes them into the loading machine's own inductor and triton caches (no
+absolute path of the building machine is read back). So packages built once (`dflash2 precompile --artifacts`) can
+ship in a drafter folder's or in dflash2's `fused-rounds/`, named by a portable key (GPU name and capability, torch,
+triton, CUDA runtime, Python, transformers, the code, the configs and shapes; `shipped_package`): a machine whose
+keys all match copies it into its cache and checks it like one it built; any other finds nothing and builds.
+
 This file holds what is compiled and how it is checked: a round as a program over the caller's tensors
-(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of
-loaded rounds (`open_fused_rounds`, `agreement`). `background.py` runs the child and decides, in the caller, when to
-switch or to stay unfused.
+(`RoundProgram`), the package, its keys and its build (`spec_of`, `package_key`, `build_package`), shipped packages
+(`shipped_package`, `export_package`), and the check of loaded rounds (`open_fused_rounds`, `agreement`: row by row,
+a row parted by a near tie in half precision allowed, `round_comparison`). `background.py` runs the child and
+decides, in the caller, when to switch or to stay unfused.
 
 Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
 weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
@@ -429,7 +437,14 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
 @torch.no_grad()
 def round_differences(core: RoundCore, program: RoundProgram, fused) -> list[str]:
     """One round eager and one `fused` from the core's current state (restored after), compared row by row: what
-    differed, [] when they agree.
+    differed, [] when they agree (`round_comparison`)."""
+    return round_comparison(core, program, fused)["differences"]
+
+
+@torch.no_grad()
+def round_comparison(core: RoundCore, program: RoundProgram, fused) -> dict:
+    """One round eager and one `fused` from the core's current state (restored after), compared row by row:
+    {"parted": where rows parted (`parting`), "differences": what differed, [] when they agree}.
 
     A row whose rounds emit the same tokens agrees when its integer state is equal and its floating state within
     `FLOAT_TOLERANCE`, over what later rounds read (`RoundCore.live_entries`: a rejected draft's entries, which flip
@@ -446,16 +461,15 @@ def round_differences(core: RoundCore, program: RoundProgram, fused) -> list[str
     with preserved(core):
         fused()
         parted, unexplained = parting(core, program.round_name != "round", start, length, eager, buffers, verified)
-        if unexplained:
-            return unexplained
         agreeing = ~parted["rows"]
-        if not agreeing.any():
-            return [f"every row parted from the eager round (row 0 after {int(parted['tokens'][0])} tokens)"]
+        if unexplained or not agreeing.any():
+            return {"parted": parted, "differences": unexplained or [
+                f"every row parted from the eager round (row 0 after {int(parted['tokens'][0])} tokens)"]}
         live = core.live_entries(start=torch.where(agreeing, eager["start"], start + 1 + parted["depth"]),
                                  length=torch.where(agreeing, eager["output_length"], length + parted["tokens"]),
                                  context_columns=eager["context_columns"])
-        return [difference for name in names if (difference := differs(
-            name, buffers[name], eager[name], compared_entries(name, live, agreeing))) is not None]
+        return {"parted": parted, "differences": [difference for name in names if (difference := differs(
+            name, buffers[name], eager[name], compared_entries(name, live, agreeing))) is not None]}
 
 
 def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: dict, verified: dict):

@@ -2,11 +2,13 @@
 (`fusion.agreement`) compares, shown per round.
 
     python scripts/fused_check_rounds.py --device cpu --dtype bfloat16 --package /tmp/fused-check   # builds it once
+    python scripts/fused_check_rounds.py --device cuda --batch 8 --tree-nodes 32 --humaneval-skip 120 --mtbench-skip 50
 
-For each prompt (MT-Bench 0.., HumanEval 100..) it prefills the default target's round core and runs `--rounds`
-rounds; each round runs eager and fused from the same state (`fusion.round_differences`) and prints the tokens the eager
-round emitted, whether the whole state agreed and whether the live state (`RoundCore.live_entries`) agreed, then
-continues from the eager round's state.
+For each batch of prompts (`--batch` of MT-Bench from `--mtbench-skip`, then of HumanEval from `--humaneval-skip`,
+left-padded) it prefills the default target's round core and runs `--rounds` rounds; each round runs eager and fused
+from the same state and prints the rows whose fused tokens parted from the eager round's (`fusion.parting`: how many
+tokens they shared) and what the check found (`fusion.round_comparison`: a parting that is no near tie names its
+margin), then continues from the eager round's state.
 """
 
 import argparse
@@ -30,6 +32,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=4, help="per task")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--mtbench-skip", type=int, default=0)
+    parser.add_argument("--humaneval-skip", type=int, default=100)
     parser.add_argument("--tree-nodes", type=int, default=0)
     parser.add_argument("--package", default=None, help="folder of the package (built there when missing)")
     args = parser.parse_args()
@@ -38,16 +43,21 @@ def main():
     target, tokenizer = load_target(drafter.config, dtype=dtype)
     target.to(device).eval()
     drafter.attach(target)
-    core = RoundCore(target, drafter, 1, 512, bucketed_prefill=device.type == "cuda", tree_nodes=args.tree_nodes)
+    core = RoundCore(target, drafter, args.batch, 1024, bucketed_prefill=device.type == "cuda",
+                     tree_nodes=args.tree_nodes)
     core.set_sampling(Sampling(), (tokenizer.eos_token_id,))
-    prompts = [("mtbench", text) for text in task_prompts("mtbench", args.prompts, skip=0)]
-    prompts += [("humaneval", text) for text in task_prompts("humaneval", args.prompts, skip=100)]
+    texts = {"mtbench": task_prompts("mtbench", args.prompts * args.batch, skip=args.mtbench_skip),
+             "humaneval": task_prompts("humaneval", args.prompts * args.batch, skip=args.humaneval_skip)}
+    batches = [(task, rows[i: i + args.batch]) for task, rows in texts.items() for i in range(0, len(rows), args.batch)]
 
-    def prefill(text):
-        ids = torch.tensor([chat_prompt_ids(tokenizer, text)], device=device)
-        core.prefill(ids, torch.ones_like(ids), 256)
+    def prefill(rows):
+        ids = [chat_prompt_ids(tokenizer, text) for text in rows]
+        width = max(len(r) for r in ids)
+        padded = torch.tensor([[0] * (width - len(r)) + r for r in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=device)
+        core.prefill(padded, mask, 256)
 
-    prefill(prompts[0][1])
+    prefill(batches[0][1])
     path = Path(args.package or tempfile.mkdtemp()) / "fused.round"
     if not path.exists():
         started = time.perf_counter()
@@ -56,22 +66,18 @@ def main():
     program = fusion.RoundProgram(core)
     with zipfile.ZipFile(path) as package:
         fused = fusion.loaded_round(program, package.open(fusion.ROUND_ENTRIES[False]))
-    totals = {"whole": 0, "live": 0, "rounds": 0}
-    for task, text in prompts:
-        prefill(text)
+    passed = rounds = 0
+    for task, rows in batches:
+        prefill(rows)
         for index in range(args.rounds):
-            whole = fusion.round_differences(core, program, fused, live_only=False)
-            in_live = fusion.round_differences(core, program, fused)
-            begin = int(core.output_length[0])
+            comparison = fusion.round_comparison(core, program, fused)
+            parted, differences = comparison["parted"], comparison["differences"]
             program.eager()  # the next round starts where the eager round left off
-            totals["whole"] += not whole
-            totals["live"] += not in_live
-            totals["rounds"] += 1
-            print(f"{task} round {index}: eager {core.output[0, begin: int(core.output_length[0])].tolist()}; whole "
-                  f"state {'agrees' if not whole else 'differs: ' + '; '.join(whole[:3])}; live state "
-                  f"{'agrees' if not in_live else 'differs: ' + '; '.join(in_live[:3])}", flush=True)
-    print(f"rounds agreeing: whole state {totals['whole']}/{totals['rounds']}, live state {totals['live']}/"
-          f"{totals['rounds']}")
+            passed, rounds = passed + (not differences), rounds + 1
+            shared = [(row, int(parted["tokens"][row])) for row in range(args.batch) if parted["rows"][row]]
+            print(f"{task} round {index}: rows parted (row, tokens shared) {shared}; check "
+                  f"{'passes' if not differences else 'fails: ' + '; '.join(differences[:3])}", flush=True)
+    print(f"rounds the check passed: {passed}/{rounds}")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .fusion import (build_package, cache_dir, core_tensor_names, open_fused_rounds, package_key, preserved,
-                     round_weights, spec_of)
+from .fusion import (build_package, cache_dir, copy_atomically, core_tensor_names, open_fused_rounds, package_key,
+                     preserved, round_weights, shipped_package, spec_of)
 from .round_core import RoundCore
 
 
@@ -170,6 +170,10 @@ class BackgroundFusion:
         try:
             self.path = cache_dir() / f"{package_key(spec_of(self.core))}.round"
             self.note = self.path.with_suffix(".failed")
+            shipped = None if self.path.exists() else shipped_package(self.core)
+            if shipped is not None:  # built elsewhere for this GPU and toolchain: checked here like a local one
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                copy_atomically(shipped, self.path)
             if self.path.exists():
                 self.state = "ready"
             elif self.note.exists():

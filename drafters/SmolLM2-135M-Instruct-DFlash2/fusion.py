@@ -15,10 +15,18 @@ Why a child process: tracing (`torch.export`, `torch.compile`) patches `torch.nn
 it runs, so tracing in a thread of the caller's process would also trace whatever the caller runs meanwhile; and the
 compile takes the interpreter for tens of seconds.
 
+A package is relocatable: `aot_compile` bundles inductor's generated code and triton's compiled kernels (cubins)
+with the traced program, and loading writes them into the loading machine's own inductor and triton caches (no
+absolute path of the building machine is read back). So packages built once (`dflash2 precompile --artifacts`) can
+ship in a drafter folder's or in dflash2's `fused-rounds/`, named by a portable key (GPU name and capability, torch,
+triton, CUDA runtime, Python, transformers, the code, the configs and shapes; `shipped_package`): a machine whose
+keys all match copies it into its cache and checks it like one it built; any other finds nothing and builds.
+
 This file holds what is compiled and how it is checked: a round as a program over the caller's tensors
-(`RoundProgram`), the package, its key and its build (`spec_of`, `package_key`, `build_package`), and the check of
-loaded rounds (`open_fused_rounds`, `agreement`). `background.py` runs the child and decides, in the caller, when to
-switch or to stay unfused.
+(`RoundProgram`), the package, its keys and its build (`spec_of`, `package_key`, `build_package`), shipped packages
+(`shipped_package`, `export_package`), and the check of loaded rounds (`open_fused_rounds`, `agreement`: row by row,
+a row parted by a near tie in half precision allowed, `round_comparison`). `background.py` runs the child and
+decides, in the caller, when to switch or to stay unfused.
 
 Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
 weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
@@ -26,10 +34,13 @@ weights in the package; `aot_compile` keeps inductor's Python runtime, the one `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
+import platform
+import shutil
 import sys
 import tempfile
 import warnings
@@ -184,9 +195,11 @@ def spec_of(core: RoundCore) -> dict:
     }
 
 
-def package_key(spec: dict) -> str:
+def package_key(spec: dict, portable: bool = False) -> str:
     """Changes with anything that changes the compiled rounds: shapes, configs, dtypes, device, code, versions (not
-    the sampling settings or EOS ids: tensors the rounds read)."""
+    the sampling settings or EOS ids: tensors the rounds read). `portable`: the key of a shipped package
+    (`shipped_package`), which leaves out the CUDA driver: the kernels are cubins for the GPU's architecture, built by
+    triton's own compiler, and any driver that runs this CUDA runtime loads them."""
     import transformers
 
     device = torch.device(spec["device"])
@@ -200,22 +213,70 @@ def package_key(spec: dict) -> str:
     described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config")},
                            sort_keys=True, default=str)
     parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
-             str(hardware), *toolchain_versions(device), transformers.__version__, code.hexdigest()]
+             str(hardware), *toolchain_versions(device, driver=not portable), transformers.__version__,
+             code.hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def toolchain_versions(device: torch.device) -> list[str]:
-    """What inductor's code depends on beside torch: triton's version and, on CUDA, the CUDA runtime and driver."""
+def toolchain_versions(device: torch.device, driver: bool = True) -> list[str]:
+    """What inductor's code depends on beside torch: Python (a package holds bytecode), triton's version and, on
+    CUDA, the CUDA runtime and (`driver`) the driver."""
     try:
         import triton
 
-        versions = [torch.__version__, f"triton {triton.__version__}"]
+        versions = [torch.__version__, f"triton {triton.__version__}", f"python {platform.python_version()}"]
     except ImportError:
-        versions = [torch.__version__, "no triton"]
+        versions = [torch.__version__, "no triton", f"python {platform.python_version()}"]
     if device.type == "cuda":
-        driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()
-        versions += [f"cuda {torch.version.cuda}", f"driver {driver}"]
+        versions.append(f"cuda {torch.version.cuda}")
+        if driver:
+            versions.append(f"driver {getattr(torch._C, '_cuda_getDriverVersion', lambda: 'unknown')()}")
     return versions
+
+
+# ------------------------------------------------------------------------------------------------ shipped packages
+SHIPPED_FOLDER = "fused-rounds"  # in a drafter folder or in dflash2's installed package: `<portable key>.round` files
+
+
+def shipped_folders(drafter) -> list[Path]:
+    """Where packages built elsewhere for the same GPU and toolchain may lie (`dflash2 precompile --artifacts`): the
+    drafter's own folder, then dflash2's package folder."""
+    folders = []
+    name = getattr(drafter, "name_or_path", None)
+    if name and Path(name).is_dir():
+        folders.append(Path(name) / SHIPPED_FOLDER)
+    package = sys.modules.get(__name__.rsplit(".", 2)[0]) if __name__.count(".") >= 2 else None
+    if package is not None and getattr(package, "__file__", None):
+        folders.append(Path(package.__file__).parent / SHIPPED_FOLDER)
+    return folders
+
+
+def shipped_package(core: RoundCore) -> Path | None:
+    """The shipped package of `core`'s round: one whose portable key (`package_key`) matches this GPU, toolchain,
+    code, configs and shapes; None when there is none. It is checked like any package before it is used."""
+    name = f"{package_key(spec_of(core), portable=True)}.round"
+    return next((folder / name for folder in shipped_folders(core.drafter) if (folder / name).is_file()), None)
+
+
+def export_package(core: RoundCore, package: Path, folder: Path) -> Path:
+    """Copy `core`'s built `package` into `folder` under its portable key (atomically): what `shipped_package` finds
+    on another machine with the same GPU and toolchain."""
+    folder.mkdir(parents=True, exist_ok=True)
+    destination = folder / f"{package_key(spec_of(core), portable=True)}.round"
+    copy_atomically(package, destination)
+    return destination
+
+
+def copy_atomically(source: Path, destination: Path) -> None:
+    """`source` copied to `destination`, which appears whole or not at all."""
+    with tempfile.NamedTemporaryFile(dir=destination.parent, prefix=f".{destination.name}.", delete=False) as f:
+        partial = Path(f.name)
+    try:
+        shutil.copyfile(source, partial)
+        os.replace(partial, destination)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
@@ -349,14 +410,21 @@ CHECK_SAMPLING = Sampling(True, temperature=0.7, top_k=20, top_p=0.9)
 # runs on the wrong weights or state is off by order one
 FLOAT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 5e-2
+# In half precision, the margin of the eager round's token over the fused round's token at the first token where a
+# row's rounds part, relative to the largest logit there, below which the two are a near tie that other kernels'
+# rounding can flip (bf16 resolves 2^-8 relative; thirty layers of rounding move logits by about 1 % of their
+# scale). A fused round on wrong weights, positions or masks parts with margins of order one.
+NEAR_TIE = 2e-2
+# What a round writes, per row: compared for the rows whose rounds agree (`round_differences`)
+ROUND_OUTPUTS = ("accepted_per_position", "anchor", "context_columns", "done", "features", "output", "output_length",
+                 "rounds", "start")
 
 
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
     """Runs `program`'s round eager and `fused` from the same state (`round_differences`); [] when they agree, else
-    what differed. A near tie can flip an accepted draft or the target's own token in half precision, so a
-    disagreeing round is followed by another from the eager round's state, up to `rounds` in all; the core's state is
-    restored after."""
+    what differed. A round whose rows all part on near ties is followed by another from the eager round's state, up to
+    `rounds` in all; the core's state is restored after."""
     with preserved(core):
         for _ in range(rounds):
             differences = round_differences(core, program, fused)
@@ -367,48 +435,121 @@ def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK
 
 
 @torch.no_grad()
-def round_differences(core: RoundCore, program: RoundProgram, fused, live_only: bool = True) -> list[str]:
-    """One round eager and one `fused` from the core's current state (restored after): what differed, [] when they
-    agree -- integer state equal, floating state within `FLOAT_TOLERANCE`. `live_only`: only the live state
-    (`RoundCore.live_entries`: what anything reads later). Rejected drafts are left out there: in half precision
-    their tokens flip on near ties between other kernels, and with them the features and keys written for them."""
-    names = program.state_names()
-    buffers = dict(zip(names, program.state()))
-    with preserved(core):
-        program.eager()
-        eager = {name: tensor.clone() for name, tensor in buffers.items()}
-        live = core.live_entries() if live_only else {}
-    with preserved(core):
-        fused()
-        return [difference for name in names if (difference := differs(
-            name, buffers[name], eager[name], live_mask(name, live) if live_only else None)) is not None]
+def round_differences(core: RoundCore, program: RoundProgram, fused) -> list[str]:
+    """One round eager and one `fused` from the core's current state (restored after), compared row by row: what
+    differed, [] when they agree (`round_comparison`)."""
+    return round_comparison(core, program, fused)["differences"]
 
 
 @torch.no_grad()
-def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str]:
-    """`agreement` of the sampled round under `CHECK_SAMPLING` on every row and seeded noise (settings and noise are
-    core tensors: restored after, with the rest of the state)."""
+def round_comparison(core: RoundCore, program: RoundProgram, fused) -> dict:
+    """One round eager and one `fused` from the core's current state (restored after), compared row by row:
+    {"parted": where rows parted (`parting`), "differences": what differed, [] when they agree}.
+
+    A row whose rounds emit the same tokens agrees when its integer state is equal and its floating state within
+    `FLOAT_TOLERANCE`, over what later rounds read (`RoundCore.live_entries`: a rejected draft's entries, which flip
+    on near ties between kernels in half precision, are left out). A row whose rounds part (`parting`) is allowed
+    only in half precision and only where rounding explains it; its state is then compared up to where they part.
+    At least one row must agree in full (else the next round is checked: `agreement`)."""
+    names = program.state_names()
+    buffers = dict(zip(names, program.state()))
+    start, length = core.start.clone(), core.output_length.clone()
     with preserved(core):
-        core.temperature.fill_(CHECK_SAMPLING.temperature)
-        core.top_k.fill_(CHECK_SAMPLING.top_k)
-        core.top_p.fill_(CHECK_SAMPLING.top_p)
-        core.draw_noise(torch.Generator(core.device).manual_seed(0))
-        return agreement(core, program, fused)
+        with recorded_verification(core) as verified:
+            program.eager()
+        eager = {name: tensor.clone() for name, tensor in buffers.items()}
+    with preserved(core):
+        fused()
+        parted, unexplained = parting(core, program.round_name != "round", start, length, eager, buffers, verified)
+        agreeing = ~parted["rows"]
+        if unexplained or not agreeing.any():
+            return {"parted": parted, "differences": unexplained or [
+                f"every row parted from the eager round (row 0 after {int(parted['tokens'][0])} tokens)"]}
+        live = core.live_entries(start=torch.where(agreeing, eager["start"], start + 1 + parted["depth"]),
+                                 length=torch.where(agreeing, eager["output_length"], length + parted["tokens"]),
+                                 context_columns=eager["context_columns"])
+        return {"parted": parted, "differences": [difference for name in names if (difference := differs(
+            name, buffers[name], eager[name], compared_entries(name, live, agreeing))) is not None]}
 
 
-def live_mask(name: str, live: dict) -> torch.Tensor | None:
-    """The mask of `live` (`RoundCore.live_entries`) for the state tensor `name`, or None where all of it is live."""
+def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: dict, verified: dict):
+    """Where each row's fused round (the `sampled` one, or greedy) parts from its eager round (both from `start`, `length`): ({"rows": which rows
+    emitted other tokens or another number of them, "tokens": how many leading tokens they share, "depth": the depth
+    of the deepest node both accepted paths share}, [why a parting cannot be rounding]).
+
+    Every token a greedy round emits is the target's argmax after the accepted path before it, so where two rounds'
+    tokens first differ, the eager round's logits there must be a near tie between the two (`NEAR_TIE`); a wrong
+    round parts with a margin of order one. Rounds that share their tokens and emit another number of them drafted
+    other trees (near ties among the drafter's candidates): the target still chose every token. The sampled round
+    draws its tokens from the same noise by other kernels; its own steps read no padding and no position (the model
+    forwards they share with the greedy round are checked there), so its partings are rounding too, and its state is
+    still compared up to them. In fp32 no row may part."""
+    batch = core.batch
+    rows = torch.zeros(batch, dtype=torch.bool)
+    tokens, depth, unexplained = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long), []
+    half = core.target_dtype not in FLOAT_TOLERANCE
+    for row in range(batch):
+        begin = int(length[row])
+        ours = eager["output"][row, begin: int(eager["output_length"][row])].tolist()
+        theirs = fused["output"][row, begin: int(fused["output_length"][row])].tolist()
+        shared = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        tokens[row], depth[row] = shared, min(shared, len(ours) - 1, len(theirs) - 1)
+        if ours == theirs:
+            continue
+        rows[row] = True
+        if not half:
+            unexplained.append(f"row {row}: the fused round emitted {theirs}, the eager round {ours}")
+        elif shared < min(len(ours), len(theirs)) and not sampled:
+            logits = verified["logits"][row, int(verified["path"][row, shared])].float()
+            margin = float(logits[ours[shared]] - logits[theirs[shared]])
+            tolerance = NEAR_TIE * float(logits.abs().max())
+            if margin > tolerance:
+                unexplained.append(f"row {row}: token {shared} of the round is {theirs[shared]} fused, {ours[shared]} "
+                                   f"eager, whose logits part by {margin:.3g} > {tolerance:.3g} (no near tie)")
+    return {"rows": rows.to(core.device), "tokens": tokens.to(core.device), "depth": depth.to(core.device)}, unexplained
+
+
+@contextlib.contextmanager
+def recorded_verification(core: RoundCore):
+    """While an eager round of `core` runs: the target's logits at each node it verified ("logits" [b, N, V]) and the
+    nodes of the accepted path by depth ("path" [b, B]; a path round's block is its path)."""
+    seen = {"path": core.offsets.expand(core.batch, -1)}
+
+    def recording(method):
+        def verify(*args):
+            logits, features = method(*args)
+            seen["logits"] = logits
+            return logits, features
+        return verify
+
+    def keep_path(path):
+        seen["path"] = path
+        RoundCore.keep_path(core, path)
+
+    core.verify, core.verify_tree, core.keep_path = recording(core.verify), recording(core.verify_tree), keep_path
+    try:
+        yield seen
+    finally:
+        for name in ("verify", "verify_tree", "keep_path"):
+            vars(core).pop(name, None)
+
+
+def compared_entries(name: str, live: dict, agreeing: torch.Tensor) -> torch.Tensor | None:
+    """The mask of `live` (`RoundCore.live_entries`) for the state tensor `name`; a round's own per-row outputs only
+    for the `agreeing` rows (output and features up to where a row parted); None where all of it is compared."""
     if name in live:
         return live[name]
     if name.startswith(("target_cache.", "draft_cache.")):
         return live["cache_columns"][:, None, :, None]  # [b, 1, capacity, 1] over [b, kv heads, capacity, head dim]
+    if name in ROUND_OUTPUTS:
+        return agreeing
     return None
 
 
 def differs(name: str, fused: torch.Tensor, eager: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
     """What differs between `fused` and `eager` (where `mask` is True, when given), or None."""
-    if mask is not None:
-        mask = mask.to(eager.device).expand_as(eager)
+    if mask is not None:  # a mask of leading dimensions covers the ones after
+        mask = mask.to(eager.device).reshape(*mask.shape, *[1] * (eager.dim() - mask.dim())).expand_as(eager)
         fused, eager = fused[mask], eager[mask]
     if not eager.is_floating_point():
         return None if torch.equal(fused, eager) else f"{name}: {int((fused != eager).sum())} values differ"

@@ -382,16 +382,19 @@ class RoundCore:
         start = self.start.view(-1, 1)
         self.target_cache.move_columns(start + path, start + self.offsets)
 
-    def live_entries(self) -> dict[str, torch.Tensor]:
+    def live_entries(self, start=None, length=None, context_columns=None) -> dict[str, torch.Tensor]:
         """Which entries of the round's buffers anything reads later, as boolean masks: `output` up to each row's
         length, the `features` rows of columns before `start` (the verified block's accepted rows), and every cache
         column before `start` (`cache_columns`, [b, capacity]). Past them lie a rejected draft's token, features and
         keys/values, which the next round overwrites before reading (or never reads): two rounds that differ there
-        alone (a near tie among rejected drafts in half precision) leave the same live state."""
-        start = self.start.view(-1, 1)
+        alone (a near tie among rejected drafts in half precision) leave the same live state. `start`, `length` and
+        `context_columns` ([b], [b], [b, B]) replace the core's own (a check compares up to other limits)."""
+        start = (self.start if start is None else start).view(-1, 1)
+        length = self.output_length if length is None else length
+        context_columns = self.context_columns if context_columns is None else context_columns
         slots = torch.arange(self.output.shape[1], device=self.device)
-        return {"output": slots < self.output_length.view(-1, 1),
-                "features": (self.context_columns < start).unsqueeze(-1).expand_as(self.features),
+        return {"output": slots < length.view(-1, 1),
+                "features": (context_columns < start).unsqueeze(-1).expand_as(self.features),
                 "cache_columns": self.columns < start}
 
     def draw_noise(self, generator: torch.Generator | None = None) -> None:
