@@ -472,6 +472,18 @@ def round_comparison(core: RoundCore, program: RoundProgram, fused) -> dict:
             name, buffers[name], eager[name], compared_entries(name, live, agreeing))) is not None]}
 
 
+@torch.no_grad()
+def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str]:
+    """`agreement` of the sampled round under `CHECK_SAMPLING` on every row and seeded noise (settings and noise are
+    core tensors: restored after, with the rest of the state)."""
+    with preserved(core):
+        core.temperature.fill_(CHECK_SAMPLING.temperature)
+        core.top_k.fill_(CHECK_SAMPLING.top_k)
+        core.top_p.fill_(CHECK_SAMPLING.top_p)
+        core.draw_noise(torch.Generator(core.device).manual_seed(0))
+        return agreement(core, program, fused)
+
+
 def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: dict, verified: dict):
     """Where each row's fused round (the `sampled` one, or greedy) parts from its eager round (both from `start`, `length`): ({"rows": which rows
     emitted other tokens or another number of them, "tokens": how many leading tokens they share, "depth": the depth
