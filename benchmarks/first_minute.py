@@ -3,6 +3,11 @@
     python -m dflash2.benchmarks.first_minute --seconds 300 --out first_minute.jsonl              # greedy, batch 1
     python -m dflash2.benchmarks.first_minute --seconds 300 --temperature 0.7 --top-p 0.9 --out sampled.jsonl
     python -m dflash2.benchmarks.first_minute --seconds 120 --batch 8 --out batch8.jsonl            # 8 prompts a call
+    python -m dflash2.benchmarks.first_minute --export fused-rounds --batch-sizes 1 8    # build the shipped packages
+
+`--export DIR` builds, from the same empty caches, the fused packages a 256-token answer needs (every buffer
+capacity up to a 768-token request's, for each of `--batch-sizes`, side by side) and copies them into DIR under their
+portable keys (`dflash2 precompile --artifacts`); DIR = dflash2's `fused-rounds/` ships them in the package.
 
 Before anything compiles, the compile caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) and dflash2's
 `fused-rounds/` start empty (fresh temporary folders; dflash2's fetched data files and converted targets are reused,
@@ -55,9 +60,19 @@ def main(argv=None) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--keep-caches", action="store_true", help="use the caches as they are")
     parser.add_argument("--out", default=None, help="JSON lines, one per call")
+    parser.add_argument("--export", default=None, metavar="DIR", help="build and export the packages instead")
+    parser.add_argument("--batch-sizes", nargs="+", default=["1", "8"], help="with --export")
     args = parser.parse_args(argv)
     if not args.keep_caches:
         fresh_caches()
+    if args.export is not None:
+        from dflash2.cli import main as cli
+
+        started = time.perf_counter()
+        cli(["precompile", "--dtype", "bfloat16", "--batch-sizes", *args.batch_sizes, "--max-length", "768",
+             "--artifacts", args.export])
+        print(f"built and exported in {time.perf_counter() - started:.0f} s", flush=True)
+        return
     import torch
 
     from dflash2.generation import DFlash2Drafter, load_target

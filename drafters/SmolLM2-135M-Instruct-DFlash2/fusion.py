@@ -319,7 +319,7 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
         partial = Path(folder) / path.name
-        with zipfile.ZipFile(partial, "w") as package:
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as package:  # code and cubins shrink
             for sampled, entry in ROUND_ENTRIES.items():
                 saved = Path(folder) / entry
                 compile_round(RoundProgram(core, sampled)).save_compiled_function(str(saved))
