@@ -125,7 +125,8 @@ def summarize(calls: list[dict], after: float) -> None:
             fused.setdefault(call["prompt"], []).append(call["tokens_per_s"])
     steady = {prompt: statistics.median(speeds) for prompt, speeds in fused.items()}
     judged = [call for call in calls if call["start_s"] >= after]
-    fast = [call for call in judged if call["prompt"] in steady and call["tokens_per_s"] >= 0.8 * steady[call["prompt"]]]
+    fast = [call for call in judged
+            if call["prompt"] in steady and call["tokens_per_s"] >= 0.8 * steady[call["prompt"]]]
     switch = next((call["start_s"] for call in calls if "fused" in (call["kind"] or "")), None)
     print(f"first fused call at {switch} s; calls from {after:.0f} s on at >= 0.8x their prompt's steady fused speed: "
           f"{len(fast)}/{len(judged)}; {len(calls)} calls", flush=True)

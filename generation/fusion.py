@@ -485,9 +485,9 @@ def sampled_agreement(core: RoundCore, program: RoundProgram, fused) -> list[str
 
 
 def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: dict, verified: dict):
-    """Where each row's fused round (the `sampled` one, or greedy) parts from its eager round (both from `start`, `length`): ({"rows": which rows
-    emitted other tokens or another number of them, "tokens": how many leading tokens they share, "depth": the depth
-    of the deepest node both accepted paths share}, [why a parting cannot be rounding]).
+    """Where each row's fused round (the `sampled` one, or greedy) parts from its eager round, both from `start` and
+    `length`: ({"rows": which rows emitted other tokens or another number of them, "tokens": how many leading tokens
+    they share, "depth": the depth of the deepest node both accepted paths share}, [why a parting is no rounding]).
 
     Every token a greedy round emits is the target's argmax after the accepted path before it, so where two rounds'
     tokens first differ, the eager round's logits there must be a near tie between the two (`NEAR_TIE`); a wrong
@@ -509,7 +509,7 @@ def parting(core: RoundCore, sampled: bool, start, length, eager: dict, fused: d
         if ours == theirs:
             continue
         rows[row] = True
-        if not half:
+        if not half or not ours or not theirs:  # a live row emits in both rounds; a frozen one in neither
             unexplained.append(f"row {row}: the fused round emitted {theirs}, the eager round {ours}")
         elif shared < min(len(ours), len(theirs)) and not sampled:
             logits = verified["logits"][row, int(verified["path"][row, shared])].float()
