@@ -43,6 +43,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -322,12 +323,18 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as package:  # code and cubins shrink
             for sampled, entry in ROUND_ENTRIES.items():
                 saved = Path(folder) / entry
+                started = time.perf_counter()
                 compile_round(RoundProgram(core, sampled)).save_compiled_function(str(saved))
                 package.write(saved, entry)
+                print(f"{entry}: compiled in {time.perf_counter() - started:.1f} s, {saved.stat().st_size / 1e6:.1f} "
+                      "MB", flush=True)  # the build's log says where its time goes
         # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
         # process on the H200) or disagrees ends this child, never the caller, and is never published
+        started = time.perf_counter()
         if load_fused_rounds(core, partial) is None:
             raise RuntimeError("the package built here failed its own check; not published")
+        print(f"loaded and checked in {time.perf_counter() - started:.1f} s; package {partial.stat().st_size / 1e6:.1f} "
+              "MB", flush=True)
         os.replace(partial, path)
 
 
