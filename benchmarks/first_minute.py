@@ -72,7 +72,9 @@ def main(argv=None) -> None:
         cli(["precompile", "--dtype", "bfloat16", "--batch-sizes", *args.batch_sizes, "--max-length", "768",
              "--artifacts", args.export])
         print(f"built and exported in {time.perf_counter() - started:.0f} s", flush=True)
-        for log in sorted(Path(os.environ["DFLASH2_CACHE"], "fused-rounds").glob("*.log")):  # each child's timings
+        from dflash2.generation.fusion import cache_dir
+
+        for log in sorted(cache_dir().glob("*.log")):  # each child's timings
             print(log.name, "|", " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:]), flush=True)
         return
     import torch
