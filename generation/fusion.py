@@ -430,8 +430,8 @@ ROUND_OUTPUTS = ("accepted_per_position", "anchor", "context_columns", "done", "
 @torch.no_grad()
 def agreement(core: RoundCore, program: RoundProgram, fused, rounds: int = CHECK_ROUNDS) -> list[str]:
     """Runs `program`'s round eager and `fused` from the same state (`round_differences`); [] when they agree, else
-    what differed. A round whose rows all part on near ties is followed by another from the eager round's state, up to
-    `rounds` in all; the core's state is restored after."""
+    what differed. A round that does not agree (every row parted on near ties, as a batch of one row can) is followed
+    by another from the eager round's state, up to `rounds` in all; the core's state is restored after."""
     with preserved(core):
         for _ in range(rounds):
             differences = round_differences(core, program, fused)
