@@ -2,7 +2,8 @@
 
     python -m dflash2.benchmarks.first_minute --seconds 300 --out first_minute.jsonl              # greedy, batch 1
     python -m dflash2.benchmarks.first_minute --seconds 300 --temperature 0.7 --top-p 0.9 --out sampled.jsonl
-    python -m dflash2.benchmarks.first_minute --seconds 120 --batch 8 --out batch8.jsonl            # 8 prompts a call
+    python -m dflash2.benchmarks.first_minute --seconds 120 --batch 8 --prompts 16 --mtbench-skip 50 \
+        --humaneval-skip 120 --out batch8.jsonl      # MT-Bench 50-57 and HumanEval 120-127, 8 rows a call
     python -m dflash2.benchmarks.first_minute --export fused-rounds --batch-sizes 1 8    # build the shipped packages
 
 `--export DIR` builds, from the same empty caches, the fused packages a 256-token answer needs (every buffer
@@ -55,6 +56,8 @@ def main(argv=None) -> None:
     parser.add_argument("--after", type=float, default=60, help="the calls judged start this late or later")
     parser.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded)")
     parser.add_argument("--prompts", type=int, default=32, help="MT-Bench and HumanEval prompts cycled, half each")
+    parser.add_argument("--mtbench-skip", type=int, default=0, help="the first MT-Bench prompt")
+    parser.add_argument("--humaneval-skip", type=int, default=100, help="the first HumanEval prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -87,8 +90,8 @@ def main(argv=None) -> None:
     target, tokenizer = load_target(drafter.config, dtype=torch.bfloat16)
     target.to("cuda").eval()
     drafter.attach(target)
-    texts = task_prompts("mtbench", args.prompts // 2) + task_prompts("humaneval", args.prompts - args.prompts // 2,
-                                                                      skip=100)
+    texts = (task_prompts("mtbench", args.prompts // 2, skip=args.mtbench_skip)
+             + task_prompts("humaneval", args.prompts - args.prompts // 2, skip=args.humaneval_skip))
     prompts = [chat_prompt_ids(tokenizer, text) for text in texts]
     sampling = (dict(do_sample=True, temperature=args.temperature, top_p=args.top_p or 1.0)
                 if args.temperature is not None else dict(do_sample=False))
