@@ -54,9 +54,10 @@ from .round_core import RoundCore
 from .sampling import Sampling
 from .tree import DraftTree
 
-PACKAGE_FORMAT = 5  # bump when what a package holds changes
+PACKAGE_FORMAT = 6  # bump when what a package holds changes
 # A package is a zip of the compiled rounds, one entry each: do_sample -> entry name (and the core's method)
 ROUND_ENTRIES = {False: "round", True: "sampled_round"}
+THREADS_ENTRY = "threads"  # and torch's thread count at the build (a guard of the compiled rounds)
 
 
 def round_weights(target, drafter) -> dict:
@@ -211,8 +212,10 @@ def package_key(spec: dict, portable: bool = False) -> str:
     for name in sorted(modules):
         source = inspect.getsourcefile(sys.modules[name])
         code.update(name.encode() + Path(source).read_bytes())
-    described = json.dumps({k: v for k, v in spec.items() if k not in ("target_config", "drafter_config")},
-                           sort_keys=True, default=str)
+    left_out = ["target_config", "drafter_config"]
+    if portable and device.type == "cuda":  # CUDA kernels take no CPU threads: the round runs at its build's count
+        left_out.append("threads")  # (`loaded_round`), whatever this machine's
+    described = json.dumps({k: v for k, v in spec.items() if k not in left_out}, sort_keys=True, default=str)
     parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
              str(hardware), *toolchain_versions(device, driver=not portable), transformers.__version__,
              code.hexdigest()]
@@ -321,6 +324,7 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=scratch or path.parent) as folder:
         partial = Path(folder) / path.name
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as package:  # code and cubins shrink
+            package.writestr(THREADS_ENTRY, str(spec["threads"]))
             for sampled, entry in ROUND_ENTRIES.items():
                 saved = Path(folder) / entry
                 started = time.perf_counter()
@@ -359,7 +363,8 @@ def open_fused_rounds(core: RoundCore, path: Path):
     programs = {sampled: RoundProgram(core, sampled) for sampled in ROUND_ENTRIES}
     try:
         with zipfile.ZipFile(path) as package:
-            fused = {sampled: loaded_round(program, package.open(ROUND_ENTRIES[sampled]))
+            threads = int(package.read(THREADS_ENTRY))
+            fused = {sampled: loaded_round(program, package.open(ROUND_ENTRIES[sampled]), threads)
                      for sampled, program in programs.items()}
         differences = agreement(core, programs[False], fused[False])
         if not differences:
@@ -372,16 +377,32 @@ def open_fused_rounds(core: RoundCore, path: Path):
     return fused, None
 
 
-def loaded_round(program: RoundProgram, file):
-    """The compiled round saved in `file`, as a call over `program`'s core's own tensors."""
+def loaded_round(program: RoundProgram, file, threads: int | None = None):
+    """The compiled round saved in `file`, as a call over `program`'s core's own tensors, run at torch's thread count
+    `threads` (the build's, a guard of the round; a shipped CUDA package's may be another than this machine's, and a
+    captured round calls it only while its graph is captured)."""
     compiled = torch.compiler.load_compiled_function(file)
     inputs = program.inputs()
 
     def fused() -> None:
-        with torch.no_grad():  # as it was compiled (a guard)
+        with torch.no_grad(), thread_count(threads):  # as it was compiled (guards)
             compiled(program, *inputs)
 
     return fused
+
+
+@contextlib.contextmanager
+def thread_count(threads: int | None):
+    """torch's thread count set to `threads` (None: as it is) inside, and back after."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load_fused_rounds(core: RoundCore, path: Path):

@@ -694,3 +694,39 @@ def test_a_shipped_package_runs_from_the_first_call_of_a_fresh_cache(tmp_path, m
         warnings.simplefilter("error")
         runner = background_equals_plain(target, drafter, prompt(6), 16)
     assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+
+
+def test_a_shipped_cuda_package_serves_any_thread_count(monkeypatch):
+    """CUDA kernels take no CPU threads: the portable key of a CUDA package leaves torch's thread count out (the round
+    runs at its build's count, `loaded_round`), while a CPU package's key keeps it (inductor's C++ kernels are built
+    for it) and the local key always does."""
+    core = prefilled_core(20)
+    spec = fusion.spec_of(core)
+    other = {**spec, "threads": spec["threads"] + 3}
+    assert fusion.package_key(other, portable=True) != fusion.package_key(spec, portable=True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    on_cuda = {**spec, "device": "cuda"}
+    moved = {**on_cuda, "threads": spec["threads"] + 3}
+    assert fusion.package_key(moved, portable=True) == fusion.package_key(on_cuda, portable=True)
+    assert fusion.package_key(moved, portable=True) != fusion.package_key(spec, portable=True)
+
+
+@pytest.mark.slow
+def test_a_package_runs_at_its_builds_thread_count(tmp_path):
+    """A package built at one thread and loaded by a process at two (as a shipped CUDA package may be) passes its
+    guards and its check: its rounds run at one thread, and the caller's count is back after each."""
+    core = prefilled_core(20)
+    path = tmp_path / "fused.round"
+    threads = torch.get_num_threads()
+    try:
+        fusion.build_package({**fusion.spec_of(core), "threads": 1}, path)
+        torch.set_num_threads(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fused = fusion.load_fused_rounds(core, path)
+        assert fused is not None and torch.get_num_threads() == 2
+        fused[False]()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
