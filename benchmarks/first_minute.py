@@ -62,6 +62,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--keep-caches", action="store_true", help="use the caches as they are")
+    parser.add_argument("--device", default="cuda", help="cuda (a CPU runs the eager rounds: a smoke test)")
     parser.add_argument("--out", default=None, help="JSON lines, one per call")
     parser.add_argument("--export", default=None, metavar="DIR", help="build and export the packages instead")
     parser.add_argument("--batch-sizes", nargs="+", default=["1", "8"], help="with --export")
@@ -86,9 +87,11 @@ def main(argv=None) -> None:
     from dflash2.pairs import DEFAULT_DRAFTER
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
-    drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.bfloat16).to("cuda").eval()
+    device = torch.device(args.device)
+    drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.bfloat16).to(device).eval()
     target, tokenizer = load_target(drafter.config, dtype=torch.bfloat16)
-    target.to("cuda").eval()
+    target.to(device).eval()
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     drafter.attach(target)
     texts = (task_prompts("mtbench", args.prompts // 2, skip=args.mtbench_skip)
              + task_prompts("humaneval", args.prompts - args.prompts // 2, skip=args.humaneval_skip))
@@ -101,15 +104,15 @@ def main(argv=None) -> None:
         chosen = [index % len(prompts) + row for row in range(args.batch)]
         rows = [prompts[i % len(prompts)] for i in chosen]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(r)) + r for r in rows], device="cuda")
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
-        torch.cuda.synchronize()
+        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        synchronize()
         started = time.perf_counter()
         first = started if first is None else first
         output = target.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                                  assistant_model=drafter, cache_implementation="static",
                                  pad_token_id=tokenizer.eos_token_id, **sampling)
-        torch.cuda.synchronize()
+        synchronize()
         seconds = time.perf_counter() - started
         tokens = int((output[:, width:] != tokenizer.eos_token_id).sum())  # every row's new tokens before EOS
         call = {"call": len(calls), "prompt": index % len(prompts), "start_s": round(started - first, 2),
