@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from .assets import TARGET_WHEELS, installed_package_folder, package_folder
-from .configuration_dflash2 import DFlash2Config
+from ..configuration_dflash2 import DFlash2Config
 from .decode import release_runners, runners_of
 from .export import atomic_folder, export_drafter
 from .hooks import attach, detach
-from .modeling_dflash2 import DFlash2DraftModel
+from ..modeling_dflash2 import DFlash2DraftModel
 
 PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of a (never imported) package: resolve_target_location
 

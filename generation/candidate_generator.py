@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .modeling_dflash2 import CACHE_NAME, draft_gumbel, new_draft_cache, tap_target_features
+from ..modeling_dflash2 import CACHE_NAME, draft_gumbel, new_draft_cache, tap_target_features
 from .stats import DFlash2Stats
 
 

@@ -18,7 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .background import BackgroundFusion
 from .graphs import RoundRunner
-from .modeling_dflash2 import CACHE_NAME
+from ..modeling_dflash2 import CACHE_NAME
 from .round_core import RoundCore, check_tree_nodes, columns_per_round, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos

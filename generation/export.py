@@ -1,8 +1,11 @@
 """Writing a drafter folder: weights, config with `auto_map`, the flat remote-code files and `custom_generate/`.
 
-Remote code must be a flat set of sibling files. In this repository the model files sit at the top level and the
-generation files in `generation/`; `generation/__init__.py` registers the model files under the package's name, so
-every shipped file imports its siblings as `from .name import ...` in both places, and the export is a plain copy.
+Remote code must be a flat set of sibling files. In this package the model files sit at the top level and the
+generation files in `generation/`, which import them as `from ..modeling_dflash2 import ...`. A folder's copies are
+derived: `flat_code_files` rewrites those imports for the flat folder and puts a header in their first line saying
+where each comes from (a folder's own flat files, when the code runs from one, are copied as they are).
+`python -m dflash2.generation.flat_code` refreshes the shipped drafter's copies; tests/test_shipped_drafter.py fails
+when they drift.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -26,30 +30,48 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "auto.DFlash2SpeculativeLM",
 }
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+MODEL_MODULES = ("configuration_dflash2", "modeling_dflash2")  # one level up in the package, siblings in a folder
+IN_PACKAGE = __package__ == "dflash2.generation"  # else this code runs from a drafter folder, its files flat already
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+FLAT_CODE_COMMAND = "python -m dflash2.generation.flat_code"
+GENERATED_HEADER = "# Generated from {source} by `{command}`; do not edit.\n"
 
 
 def shipped_source_files() -> dict[str, Path]:
     """Exported file name -> the file it is copied from (the sources here, or the siblings of a loaded folder)."""
-    files = {f"{name}.py": Path(importlib.import_module(f".{name}", __package__).__file__) for name in SHIPPED_MODULES}
+    level = {name: ".." if IN_PACKAGE and name in MODEL_MODULES else "." for name in SHIPPED_MODULES}
+    files = {f"{name}.py": Path(importlib.import_module(f"{level[name]}{name}", __package__).__file__)
+             for name in SHIPPED_MODULES}
     custom = Path(__file__).resolve().parent / CUSTOM_GENERATE_FILE
     if custom.is_file():
         files[CUSTOM_GENERATE_FILE] = custom
     return files
 
 
-def write_code_files(folder) -> None:
-    """The shipped code files (`shipped_source_files`) copied into a drafter folder, replacing older copies or links.
+def flat_code(source: Path) -> str:
+    """A source file as a drafter folder carries it: `from ..x import` (the package's model files) becomes
+    `from .x import` (its flat siblings), under a header naming the source and the command that wrote it."""
+    text = source.read_text()
+    if not IN_PACKAGE:
+        return text
+    text = re.sub(r"^(\s*from )\.\.(?=\w)", r"\1.", text, flags=re.MULTILINE)
+    relative = source.relative_to(PACKAGE_ROOT).as_posix()
+    return GENERATED_HEADER.format(source=relative, command=FLAT_CODE_COMMAND) + text
 
-    The repository's shipped drafter holds real copies (a copied folder must load anywhere); after a change to the
-    sources, refresh them with `python -c "from dflash2.generation.export import write_code_files;
-    write_code_files('drafters/SmolLM2-135M-Instruct-DFlash2')"` (tests/test_shipped_drafter.py checks they match).
-    """
-    for exported, source in shipped_source_files().items():
+
+def flat_code_files() -> dict[str, str]:
+    """Exported file name -> the text a drafter folder carries (`flat_code` of each shipped source)."""
+    return {exported: flat_code(source) for exported, source in shipped_source_files().items()}
+
+
+def write_code_files(folder) -> None:
+    """Write the flat code files (`flat_code_files`) into a drafter folder, replacing older copies or links."""
+    for exported, text in flat_code_files().items():
         target = Path(folder) / exported
         target.parent.mkdir(exist_ok=True)
         if target.is_symlink():
             target.unlink()
-        shutil.copyfile(source, target)
+        target.write_text(text)
 
 
 @contextlib.contextmanager

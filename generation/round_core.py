@@ -33,8 +33,8 @@ import copy
 import torch
 import transformers
 
-from .configuration_dflash2 import tree_nodes_problem
-from .modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
+from ..configuration_dflash2 import tree_nodes_problem
+from ..modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
                        row_warped_probabilities, speculative_accept)
 from .tree import (DraftTree, SampledTree, SampledTreeShape, accept_tree, draft_tree, sample_tree,

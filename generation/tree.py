@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configuration_dflash2 import most_tree_nodes
+from ..configuration_dflash2 import most_tree_nodes
 from .sampling import cumulative_probabilities
 
 # Breaks ties of the log-probability sums towards the shallower node, so that a child never outranks its parent.

@@ -1,5 +1,9 @@
 """Tiny random targets and drafters for CPU tests."""
 
+import os
+import subprocess
+import sys
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -148,3 +152,50 @@ def background_equals_plain(target, drafter, ids, max_new_tokens, **settings):
     assert torch.equal(ours, reference)
     (runner,) = drafter.round_runners()
     return runner
+
+
+FOLDERS_WITHOUT_DFLASH2 = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("dflash2", "configuration_dflash2", "modeling_dflash2", "generation", "training",
+                                  "benchmarks", "tasks", "cli"):
+            raise ImportError("the dflash2 project is not importable in this process: " + name)
+sys.meta_path.insert(0, Block())
+sys.path = [p for p in sys.path if p not in ("", ".")]
+try:
+    import dflash2
+except ImportError:
+    pass
+else:
+    raise AssertionError("dflash2 is importable from " + str(dflash2.__file__))
+import torch
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)  # a random target of the default target's shape: the drafter attaches and stays lossless
+target = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)).eval()
+ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+plain = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+for folder in sys.argv[1:]:
+    drafter = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    assert type(drafter).__name__ == "DFlash2Drafter"
+    drafter.attach(target)
+    for extra in ({}, {"cache_implementation": "static"}):
+        out = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
+                              assistant_model=drafter, **extra)
+        assert torch.equal(out, plain), (folder, extra)
+    drafter.detach(target)
+print("FOLDERS-LOAD-OK")
+"""
+
+
+def assert_folders_load_without_dflash2(folders, tmp_path):
+    """In a fresh process where `import dflash2` fails (asserted there), with the Hub offline, each drafter folder
+    loads through AutoModel (trust_remote_code), attaches to a random target and generates greedy tokens equal to plain
+    `generate` (transformers' loop and the static one)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", FOLDERS_WITHOUT_DFLASH2, *map(str, folders)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert "FOLDERS-LOAD-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

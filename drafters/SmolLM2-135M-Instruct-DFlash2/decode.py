@@ -1,3 +1,4 @@
+# Generated from generation/decode.py by `python -m dflash2.generation.flat_code`; do not edit.
 """DFlash 2's own decoding loop around the round core: prefill, queue rounds, read the token stream, stop.
 
 `target.generate(..., assistant_model=drafter)` lands here for a batch (left-padded rows, each accepting its own

@@ -1,3 +1,4 @@
+# Generated from generation/fusion.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the rounds compiled ahead of
 time in a child process.
 

@@ -1,3 +1,4 @@
+# Generated from generation/graphs.py by `python -m dflash2.generation.flat_code`; do not edit.
 """How a round of a `RoundCore` runs: eagerly, compiled, or replayed as a CUDA graph captured by hand.
 
 On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By default the graph holds the round's

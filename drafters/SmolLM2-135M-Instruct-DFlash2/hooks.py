@@ -1,3 +1,4 @@
+# Generated from generation/hooks.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Hooking a DFlash 2 drafter into `target.generate`: attach / detach, dispatch between the loops, request checks.
 
 After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs DFlash 2's own loop

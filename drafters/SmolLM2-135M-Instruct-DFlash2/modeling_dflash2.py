@@ -1,3 +1,4 @@
+# Generated from modeling_dflash2.py by `python -m dflash2.generation.flat_code`; do not edit.
 """DFlash 2 block drafter as a Hugging Face model (trust_remote_code).
 
 The drafter reads the hidden states of several target layers (fused by `fc`, normed by `hidden_norm`), injects them

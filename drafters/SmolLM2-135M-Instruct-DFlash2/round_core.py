@@ -1,3 +1,4 @@
+# Generated from generation/round_core.py by `python -m dflash2.generation.flat_code`; do not edit.
 """The one round core behind DFlash 2's own loops (batch 1 and batched, eager and CUDA graphs).
 
 It owns fixed buffers for one (target, drafter, batch, capacity) and one round in which every tensor has the same

@@ -1,3 +1,4 @@
+# Generated from generation/sampling.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Greedy and exact speculative acceptance, target-side warping and the randomness of a round, vectorised over rows.
 
 DFlash 2's own loops support temperature, top-k and top-p (transformers' assisted loop honours every logits processor).

@@ -1,3 +1,4 @@
+# Generated from generation/stats.py by `python -m dflash2.generation.flat_code`; do not edit.
 """What one `generate` call did: tau and acceptance by block position (every DFlash 2 loop fills one)."""
 
 from __future__ import annotations

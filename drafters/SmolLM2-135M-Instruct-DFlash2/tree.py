@@ -1,3 +1,4 @@
+# Generated from generation/tree.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Tree verification: draft a small tree from the drafter's candidates, verify every node in one target forward, keep
 the longest root path the target's own greedy tokens follow.
 

@@ -1,3 +1,4 @@
+# Generated from generation/custom_generate/generate.py by `python -m dflash2.generation.flat_code`; do not edit.
 """`target.generate(ids, custom_generate=<drafter folder>, trust_remote_code=True)`: speculate with that drafter.
 
 transformers imports this file from the drafter folder and calls `generate(model=target, **generate_arguments)`.
