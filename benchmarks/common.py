@@ -29,8 +29,7 @@ def round_kind(drafter, batch: int) -> str | None:
 
 def settle(drafter, again) -> float:
     """compile="background" (the default on one CUDA device): wait for every child still building a fused round, then
-    `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. (The
-    switch-over itself is lab/fusion_check.py's measure.) Returns the seconds waited (0 when nothing was building)."""
+    `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. Returns the seconds waited (0 when nothing was building)."""
     started = time.perf_counter()
     if not drafter.wait_for_fusion():
         return 0.0

@@ -24,7 +24,7 @@ distribution after that node. Verification is the same one forward; acceptance i
 distribution less what the earlier tests took, and where all fail the next token is a sample of that residual. Every
 emitted token is then an exact sample of the target after what came before it, and a drafter equal to the target
 would have every draft accepted. (A tree of drafts fixed before the target samples can accept a node only with the
-target's probability of its token, which bounds its τ at T = 1 whatever the drafter: `scripts/t1_ceiling.py`.)
+target's probability of its token, which bounds its τ at T = 1 whatever the drafter: docs/experiments.md.)
 """
 
 from __future__ import annotations
@@ -160,9 +160,8 @@ def deepest_path(tree: DraftTree, follows: torch.Tensor, block_size: int):
 
 # ---------------------------------------------------------------------------------------------- sampled trees
 # The chance that a node's r-th sampled child (r = 0, 1, ...) is the one its rejection chain accepts, averaged over
-# nodes; a sampled tree's fixed shape is grown best-first by the product of these along each root path. Set before
-# measuring; the rates measured at T = 1 over MT-Bench (scripts/sampled_tree_ranks.py: 0.39, 0.080, 0.035, 0.019,
-# ...) grow the same tree of 16 nodes and a tree of 32 that differs in one node.
+# nodes; a sampled tree's fixed shape is grown best-first by the product of these along each root path. The rates
+# measured at T = 1 (docs/experiments.md) grow the same tree of 16 nodes and a tree of 32 that differs in one node.
 SAMPLED_CHILD_ACCEPTANCE = (0.45, 0.12, 0.06, 0.035, 0.02, 0.012, 0.008, 0.005)
 
 

@@ -348,7 +348,7 @@ def test_exported_folder_works_in_a_fresh_process(tmp_path):
 def test_target_dispatched_by_device_map_with_offloaded_layers(tmp_path, oracle):
     """A target placed by accelerate (device_map with layers and the LM head offloaded to disk): still lossless.
 
-    On CPU this exercises the hooks `device_map` installs; the multi-GPU run is in lab/device_map_check.py.
+    On CPU this exercises the hooks `device_map` installs; the multi-GPU run is `benchmarks.scale --parts lossless`.
     """
     from transformers import AutoModelForCausalLM
 

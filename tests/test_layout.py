@@ -18,8 +18,7 @@ from helpers import assert_folders_load_without_dflash2
 ROOT = Path(__file__).resolve().parents[1]
 # lower number = lower layer; a module may import only modules of its own layer or below
 LAYERS = {"configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3, "pairs": 3, "problems": 3,
-          "training": 4, "benchmarks": 4, "serving": 4, "cli": 5, "__init__": 6, "lab": 7}
-LAB = "lab"  # run from a checkout only: not in the wheel, imported by nothing of the package
+          "training": 4, "benchmarks": 4, "serving": 4, "cli": 5, "__init__": 6}
 
 
 def package_modules() -> dict[str, Path]:
@@ -28,7 +27,7 @@ def package_modules() -> dict[str, Path]:
     modules = {}
     for path in ROOT.rglob("*.py"):
         relative = path.relative_to(ROOT)
-        if relative.parts[0] in ("tests", "drafters", "docs", "scripts", "build") or relative.parts[0].startswith("."):
+        if relative.parts[0] in ("tests", "drafters", "docs", "build") or relative.parts[0].startswith("."):
             continue
         if len(relative.parts) > 1 and not (ROOT / relative.parts[0] / "__init__.py").is_file():
             continue
@@ -80,15 +79,6 @@ def test_layers_point_one_way_and_peers_do_not_import_each_other():
             if {top, other} == {"training", "benchmarks"}:
                 problems.append(f"{name} imports its peer {imported}")
     assert not problems, problems
-
-
-def test_nothing_of_the_package_imports_the_lab():
-    """The lab's scripts may use the package; the package never uses them (the wheel does not ship them)."""
-    modules = package_modules()
-    assert any(name.split(".")[0] == LAB for name in modules)  # the lab is seen, so the check below can fail
-    importers = [f"{name} imports {imported}" for name, path in modules.items() if name.split(".")[0] != LAB
-                 for imported in imports_of(name, path, modules) if imported.split(".")[0] == LAB]
-    assert not importers, importers
 
 
 def test_no_import_cycle():
@@ -177,7 +167,6 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert len(drafter) > 20 and "drafters/SmolLM2-135M-Instruct-DFlash2/model-00001-of-00002.safetensors" in drafter
     missing = [name for name in drafter if f"dflash2/{name}" not in names]
     assert not missing, missing
-    assert not [name for name in names if name.startswith(f"dflash2/{LAB}/")], "the wheel ships the lab"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "dflash2 = dflash2.cli:main" in entry_points
     # the drafter folder inside the installed wheel, outside the checkout, loads where dflash2 cannot be imported

@@ -1,4 +1,4 @@
-"""Tests, benchmarks and lab scripts use the runtime through its public API: no `obj._name` read of our objects.
+"""Tests and benchmarks use the runtime through its public API: no `obj._name` read of our objects.
 
 An AST scan of every file there for attribute reads whose name starts with one underscore. Names of other libraries'
 private members that a test genuinely needs are allowed below, each with its reason; nothing of dflash2's runtime is.
@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("tests", "benchmarks", "lab")
+SCANNED = ("tests", "benchmarks")
 ALLOWED = {
     "_attn_implementation": "transformers' config field naming the attention kernel (no public setter)",
     "_from_config": "transformers' constructor from a config without loading weights",
@@ -34,7 +34,7 @@ def private_reads(path: Path) -> list[str]:
     return found
 
 
-def test_no_test_benchmark_or_lab_script_reads_a_private_attribute():
+def test_no_test_or_benchmark_reads_a_private_attribute():
     files = [path for folder in SCANNED for path in sorted((ROOT / folder).rglob("*.py"))]
     assert len(files) > 20  # the scan sees the suite
     assert private_reads(Path(__file__)) == []  # the allow-list itself is no read

@@ -1,8 +1,8 @@
-"""The round profiler (lab/round_profile.py) on tiny shapes on the CPU: it runs and times every part."""
+"""The round profiler (benchmarks/round_profile.py) on tiny shapes on the CPU: it runs and times every part."""
 
 import json
 
-from dflash2.lab.round_profile import main
+from dflash2.benchmarks.round_profile import main
 
 PARTS = ["round", "drafter forward", "LM head + top-k", "pair scores", "selector walk", "verify forward",
          "greedy accept", "bookkeeping", "sum of parts", "target step (1 token)", "target forward (16 tokens)",

@@ -1,11 +1,11 @@
-"""lab/scale.py end to end on the CPU with tiny shapes (`--smoke`): every part runs every default method, and
+"""`python -m dflash2.benchmarks.scale` end to end on the CPU with tiny shapes (`--smoke`): every part runs every default method, and
 the JSON report carries what the GPU runs will be read for."""
 
 import json
 
 import pytest
 
-from dflash2.lab.scale import DEFAULT_METHODS, PUBLISHED_TAU, main
+from dflash2.benchmarks.scale import DEFAULT_METHODS, PUBLISHED_TAU, main
 
 SPECULATIVE = {"assisted", "graph", "batched"}
 

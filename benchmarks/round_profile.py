@@ -1,13 +1,13 @@
 """Where one DFlash 2 round's time goes: the round and each of its parts, timed on their own.
 
-    python -m dflash2.lab.round_profile --shape smollm2-135m --out runs/round-135m.json     # one H200
-    python -m dflash2.lab.round_profile --shape qwen3-8b --out runs/round-8b.json
-    python -m dflash2.lab.round_profile --shape qwen3-8b --compile --out runs/round-8b-fused.json
-    python -m dflash2.lab.round_profile --smoke --out /tmp/round.json                      # CPU, tiny shapes
+    python -m dflash2.benchmarks.round_profile --shape smollm2-135m --out runs/round-135m.json     # one H200
+    python -m dflash2.benchmarks.round_profile --shape qwen3-8b --out runs/round-8b.json
+    python -m dflash2.benchmarks.round_profile --shape qwen3-8b --compile --out runs/round-8b-fused.json
+    python -m dflash2.benchmarks.round_profile --smoke --out /tmp/round.json                      # CPU, tiny shapes
 
 Random weights (timing does not depend on them): `smollm2-135m` is a Llama of SmolLM2-135M-Instruct's shape (the
 default target) with a drafter of the shipped drafter's config; `qwen3-8b` is the scale benchmark's Qwen3-8B shape
-with its 5-layer drafter (`lab/scale.py`: selector rank 256, top-k 16). Batch 1, block 16 by default, greedy,
+with its 5-layer drafter (`benchmarks/scale.py`: selector rank 256, top-k 16). Batch 1, block 16 by default, greedy,
 a prompt of `--context` random tokens, buffers of the capacity DFlash 2's own loop gives such a request.
 
 A `RoundCore` is built and prefilled; one eager round fills the inputs of every part, then each part -- the same
@@ -49,7 +49,7 @@ SHAPES = ("smollm2-135m", "qwen3-8b")
 # ------------------------------------------------------------------------------------------------ models
 def build_pair(shape: str, device, dtype, block_size: int, smoke: bool):
     """(target, drafter) of random weights at `shape`, the drafter attached."""
-    from dflash2.lab import scale
+    from dflash2.benchmarks import scale
 
     if shape == "qwen3-8b":
         sizes = scale.SMOKE_SHAPES if smoke else scale.SHAPES
@@ -269,7 +269,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dflash2.lab.round_profile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dflash2.benchmarks.round_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--block-size", type=int, default=16)
@@ -310,7 +310,7 @@ def main(argv=None) -> dict:
     from dflash2.benchmarks.common import command_line, write_report
 
     args = parse_args(argv)
-    report = {"command": command_line("dflash2.lab.round_profile", argv), "torch": torch.__version__,
+    report = {"command": command_line("dflash2.benchmarks.round_profile", argv), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
               "dtype": str(args.dtype), "shapes": {}}
     for shape in args.shape:

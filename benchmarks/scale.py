@@ -1,10 +1,10 @@
 """Real model shapes, random weights: what one round of every DFlash 2 loop costs on the GPU, against plain decoding.
 
-    python -m dflash2.lab.scale --parts 8b --out runs/scale-8b.json          # one H200
-    python -m dflash2.lab.scale --parts 8b-long --out runs/scale-8b-long.json
-    python -m dflash2.lab.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
-    python -m dflash2.lab.scale --parts lossless --out runs/scale-lossless.json
-    python -m dflash2.lab.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
+    python -m dflash2.benchmarks.scale --parts 8b --out runs/scale-8b.json          # one H200
+    python -m dflash2.benchmarks.scale --parts 8b-long --out runs/scale-8b-long.json
+    python -m dflash2.benchmarks.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
+    python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
+    python -m dflash2.benchmarks.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
 
 Targets are built from configs only (no download): Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads,
 head_dim 128, intermediate 12288, vocabulary 151936) and Qwen3-32B shape (hidden 5120, 64 layers, 64 heads, 8 KV
@@ -93,14 +93,22 @@ def build_target(config, device, dtype, seed: int = 0):
     return model.eval()
 
 
+def split_layers(config, devices: list) -> dict:
+    """Decoder layers in equal consecutive shares over `devices`; embeddings on the first, norm on the last, the LM
+    head beside the embeddings when they are tied (accelerate keeps tied weights together)."""
+    layers, count = config.num_hidden_layers, len(devices)
+    device_map = {f"model.layers.{i}": devices[i * count // layers] for i in range(layers)}
+    device_map.update({"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], "model.norm": devices[-1],
+                       "lm_head": devices[0] if getattr(config, "tie_word_embeddings", False) else devices[-1]})
+    return device_map
+
+
 def build_split_target(config, devices: list, dtype, seed: int = 0):
     """The same model with its layers split over `devices`: built on the meta device, each module materialised on its
     device, weights drawn there (norms 1, matrices N(0, initializer_range)), then dispatched by accelerate."""
     from accelerate import dispatch_model
     from transformers import Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-    from dflash2.lab.device_map_check import split_layers
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
@@ -530,7 +538,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dflash2.lab.scale", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dflash2.benchmarks.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="8b", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
