@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from .fusion import (build_package, cache_dir, copy_atomically, core_tensor_names, open_fused_rounds, package_key,
-                     preserved, round_weights, shipped_package, spec_of)
-from .round_core import RoundCore
+from .fusion import (build_package, cache_dir, copy_atomically, open_fused_rounds, package_key, preserved,
+                     round_weights, shipped_package, spec_of)
+from .round_core import RoundCore, round_state
 
 
 # ------------------------------------------------------------------------------------------------ the child
@@ -134,8 +134,7 @@ def has_room_for_build(core: RoundCore) -> str | None:
     """None when the device has room for the child's copy of the weights and of the core's own tensors beside
     everything already there; else why not. (The child builds the round on tensors of its own, whose values do not
     matter; its caches, allocated later, are left to `BUILD_HEADROOM`.)"""
-    tensors = [*round_weights(core.target, core.drafter).values(), *(getattr(core, name) for name in
-                                                                     core_tensor_names(core))]
+    tensors = [*round_weights(core.target, core.drafter).values(), *round_state(core).values()]
     needed = BUILD_HEADROOM + sum(t.numel() * t.element_size() for t in tensors)
     free = free_memory(core.device)
     if free is None or free >= needed:

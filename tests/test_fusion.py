@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflash2.generation import background, fusion
-from dflash2.generation.round_core import RoundCore
+from dflash2.generation.graphs import RoundRunner
+from dflash2.generation.round_core import ROUND_STATE, RoundCore, round_state
 from dflash2.generation.sampling import Sampling
 from helpers import VOCAB, background_equals_plain, tiny_drafter, tiny_target
 
@@ -35,6 +36,35 @@ def prefilled_core(max_new_tokens: int) -> RoundCore:
     ids = torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     core.prefill(ids, torch.ones_like(ids), max_new_tokens)
     return core
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6], ids=["path", "tree"])
+def test_capture_and_fusion_read_the_one_declared_round_state(tree_nodes):
+    """The round's state is `ROUND_STATE`: the runner that captures, the fused program's signature and the child's
+    spec all take exactly it, in its order; an undeclared buffer, or a round that replaces one, is refused."""
+    target = tiny_target("llama", seed=2)
+    drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
+    core = RoundCore(target, drafter, 2, 64, tree_nodes=tree_nodes)
+    ids = torch.randint(4, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    core.prefill(ids, torch.ones_like(ids), 12)
+    runner = RoundRunner(core, "eager", capture=False)
+    for _ in range(2):
+        runner()
+    assert list(round_state(core)) == list(ROUND_STATE) == list(runner.state)
+    program = fusion.RoundProgram(core)
+    assert program.state_names()[:len(ROUND_STATE)] == list(ROUND_STATE)
+    assert [name for name, *_ in fusion.spec_of(core)["state"]] == list(ROUND_STATE)
+    runner.check_state_in_place()
+
+    core.scratch = torch.zeros(2)  # a new buffer nobody declared
+    for reader in (lambda: RoundRunner(core, "eager", capture=False), lambda: fusion.RoundProgram(core),
+                   lambda: fusion.spec_of(core)):
+        with pytest.raises(RuntimeError, match="ROUND_STATE"):
+            reader()
+    del core.scratch
+    core.anchor = core.anchor.clone()  # a round that replaced a buffer instead of writing into it
+    with pytest.raises(RuntimeError, match="anchor"):
+        runner.check_state_in_place()
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from .round_core import RoundCore
+from .round_core import RoundCore, round_state
 from .sampling import Sampling
 from .tree import DraftTree
 
@@ -73,15 +73,10 @@ def weights_signature(target, drafter) -> list:
     return [(name, list(t.shape), str(t.dtype)) for name, t in round_weights(target, drafter).items()]
 
 
-def core_tensor_names(core: RoundCore) -> list[str]:
-    """The core's own tensors, by name: the state inputs of a compiled round before its caches', in this order."""
-    return sorted(name for name, value in vars(core).items() if isinstance(value, torch.Tensor))
-
-
 def state_signature(core: RoundCore) -> list:
-    """(name, shape, dtype) of each tensor of the core itself (the caches are sized by the prefill, from the capacity
-    alone)."""
-    return [(name, list(getattr(core, name).shape), str(getattr(core, name).dtype)) for name in core_tensor_names(core)]
+    """(name, shape, dtype) of each tensor of the core's declared state (`round_state`; the caches are sized by the
+    prefill, from the capacity alone)."""
+    return [(name, list(t.shape), str(t.dtype)) for name, t in round_state(core).items()]
 
 
 def first_differences(ours: list, theirs: list) -> list:
@@ -116,7 +111,7 @@ class RoundProgram(torch.nn.Module):
         super().__init__()
         self.core = core  # a plain object, not a module
         self.round_name = ROUND_ENTRIES[sampled]
-        self._state = core_tensor_names(core)
+        self._state = list(round_state(core))
         self._caches = (core.target_cache, core.draft_cache)
         if any(k is None for cache in self._caches for k in cache.keys):
             raise ValueError("RoundProgram needs the core's caches allocated: prefill once first.")

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .round_core import PREFILL_BUCKETS, RoundCore
+from .round_core import PREFILL_BUCKETS, RoundCore, round_state
 
 WARMUP_ROUNDS = 2  # runs before a capture (allocator, lazily built buffers, cuBLAS handles)
 
@@ -91,6 +91,7 @@ class RoundRunner:
 
     def __init__(self, core: RoundCore, mode: str, capture: bool = True):
         self.core, self.mode = core, mode
+        self.state = round_state(core)  # the declared buffers every captured or compiled round reads and writes
         self.captured = captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds both
         self.prefill_graphs = self._capture_prefills(core) if captured else {}
         self.fusion = None  # a BackgroundFusion when compile="background" (set by decode.round_runner_for)
@@ -111,6 +112,7 @@ class RoundRunner:
         self._steps = dict(zip((False, True), steps))  # do_sample -> its round
         if captured:
             core.warm_sampling_steps()  # so that a first sampled call costs what its second does
+        self.check_state_in_place()
 
     def __call__(self) -> None:
         self._steps[self.core.do_sample]()
@@ -133,6 +135,14 @@ class RoundRunner:
         rounds = (fused[False], fused[True])
         self._steps = dict(zip((False, True), capture_rounds(rounds) if self.captured else rounds))
         self.kind = "graph (fused ahead of time)" if self.captured else "fused ahead of time"
+        self.check_state_in_place()
+
+    def check_state_in_place(self) -> None:
+        """A captured round reads and writes the core's state tensors where they were at capture: a round that had
+        replaced one (rather than written into it) would leave its graph on the stale tensor."""
+        moved = [name for name, tensor in round_state(self.core).items() if tensor is not self.state[name]]
+        if moved:
+            raise RuntimeError(f"A round replaced the core's state tensors {moved} instead of writing into them.")
 
     def prefill(self, input_ids, attention_mask, max_new_tokens: int, generator=None) -> None:
         """`core.prefill`, with the prompt's encoding replayed from its bucket's graph when there is one."""

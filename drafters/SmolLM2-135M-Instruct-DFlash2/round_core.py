@@ -49,6 +49,30 @@ PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, c
 PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # up to PREFILL_CHUNK
 
 
+# The round's state: every tensor of a `RoundCore`, declared once, in the order a fused round takes them. The captured
+# graphs (graphs.py, `RoundRunner`) and the fused rounds (fusion.py, `RoundProgram`: the state inputs of the compiled
+# signature; background.py: the child's copy) read the core through `round_state`, which refuses a core whose tensors
+# differ from this list: a new buffer is declared here, or no round of it is captured or compiled.
+ROUND_STATE = (
+    "columns", "offsets", "node_offsets", "mask_row",  # fixed index rows
+    "temperature", "top_k", "top_p", "eos",  # the request's settings (`set_sampling`)
+    "anchor", "start", "first_column", "context_columns", "features", "max_new_tokens", "done",  # every row's state
+    "output", "output_length", "rounds", "accepted_per_position",  # what the rounds emitted
+    "prompt_ids", "prompt_logits", "prompt_features",  # the prompt, staged for `encode_prompt`
+    "draft_noise", "uniform", "bonus_noise", "node_gumbel", "node_uniform", "final_uniform",  # a sampled round's noise
+)
+
+
+def round_state(core) -> dict:
+    """The core's state tensors by name, in `ROUND_STATE`'s order; an error when its tensors are not exactly those."""
+    tensors = {name for name, value in vars(core).items() if isinstance(value, torch.Tensor)}
+    if tensors != set(ROUND_STATE):
+        raise RuntimeError(f"The round core's tensors differ from round_core.ROUND_STATE (undeclared: "
+                           f"{sorted(tensors - set(ROUND_STATE))}, missing: {sorted(set(ROUND_STATE) - tensors)}): "
+                           "declare every state tensor there, so that captured and fused rounds take it.")
+    return {name: getattr(core, name) for name in ROUND_STATE}
+
+
 def columns_per_round(block_size: int, tree_nodes: int = 0) -> int:
     """Columns a round writes past its anchor's: the block, or the tree's nodes when larger."""
     return max(block_size, tree_nodes)
