@@ -1,6 +1,6 @@
 """The (target, drafter) pair from command-line arguments: the model arguments, their checks, and loading the pair
-(what the CLI, the benchmarks and the lab scripts share). Every check here runs before any model is loaded (loading
-the default target takes 20 s on a 2-core CPU), and each mistake gets one line naming the value and the fix."""
+(what the CLI, training and the benchmarks share). Every check here runs before any model is loaded (loading
+a target is slow), and each mistake gets one line naming the value and the fix."""
 
 from __future__ import annotations
 

@@ -130,3 +130,17 @@ def read_prompts(path, limit: int | None = None) -> list:
     """The prompts of a JSONL file (python -m dflash2.training.prompts writes them; gzipped if the name ends in .gz),
     the first `limit`: the "messages" conversation of a row when it has one, else its "prompt" text."""
     return [row["messages"] if row.get("messages") else row["prompt"] for row in read_jsonl(path)[:limit]]
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (len(prompts), width): the prompts right-aligned, as wide as the longest
+    (the left-padded batch DFlash 2's own loop, `generate` and self-distillation take)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    return input_ids, attention_mask

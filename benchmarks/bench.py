@@ -23,7 +23,7 @@ import torch
 
 from dflash2.benchmarks.common import round_kind, settle
 from dflash2.pairs import sampling_kwargs
-from dflash2.tasks import chat_prompt_ids, task_prompts
+from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
 
 
 @dataclass
@@ -264,13 +264,7 @@ def run_batched_benchmark(target, tokenizer, drafter, batch_sizes=(1, 8, 32), ta
 def batched_row(target, tokenizer, drafter, prompts, batch: int, max_new_tokens: int, pad: int, device) -> dict:
     """One batch size: plain batched generate and batched DFlash 2 on the same left-padded prompts."""
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
-    encoded = [chat_prompt_ids(tokenizer, p) for p in chosen]
-    width = max(len(e) for e in encoded)
-    ids = torch.full((batch, width), pad, dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.long)
-    for index, e in enumerate(encoded):
-        ids[index, width - len(e):] = torch.tensor(e)
-        mask[index, width - len(e):] = 1
+    ids, mask = left_padded([chat_prompt_ids(tokenizer, p) for p in chosen], pad)
     ids, mask = ids.to(device), mask.to(device)
     row = {}
     for name, extra in (("plain", {}), ("dflash2", {"assistant_model": drafter})):

@@ -22,9 +22,9 @@ standard Gumbel noise is an exact sample. The settings are per-row tensors, so o
 temperature; the noise is drawn into a fixed buffer before each replay (a few small kernels outside the graph, as DFlash
 2's sampled round draws its own), and the first token after the prefill is sampled like `generate`'s.
 
-Buffers. The cache has `capacity` columns, the next power of two of at least 512 that holds prompt + new tokens: a
-step attends over every column (like `generate`'s static cache, which is sized to the request), and one captured
-graph serves every request of a capacity. Rows of a batch must have the same length (no padding mask).
+Buffers. The cache has `capacity` columns, chosen as DFlash 2's own loop chooses its buffers on a GPU
+(`generation.decode.capacity_for`): a step attends over every column (like `generate`'s static cache, which is sized
+to the request), and one captured graph serves every request of a capacity. Rows of a batch must have the same length (no padding mask).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import time
 
 import torch
 
+from dflash2.generation.decode import capacity_for as own_loop_capacity
 from dflash2.generation.sampling import Sampling, first_token, is_any_of, row_warped_logits
 from dflash2.modeling_dflash2 import sample_gumbel
 
-MIN_CAPACITY = 512
 CHECK_EVERY = 8  # steps queued between two host reads of the done flags (when there is an EOS)
 
 
@@ -181,7 +181,8 @@ def single_cuda_device(model) -> bool:
 
 
 def capacity_for(needed: int) -> int:
-    return max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+    """Cache columns for `needed` (prompt + new tokens + the capture's warm-up steps): the own loop's CUDA buffers."""
+    return own_loop_capacity(needed, graphs=True)
 
 
 def plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,

@@ -1,6 +1,6 @@
 """Where one DFlash 2 round's time goes: the round and each of its parts, timed on their own.
 
-    python -m dflash2.benchmarks.round_profile --shape smollm2-135m --out runs/round-135m.json     # one H200
+    python -m dflash2.benchmarks.round_profile --shape smollm2-135m --out runs/round-135m.json     # one GPU
     python -m dflash2.benchmarks.round_profile --shape qwen3-8b --out runs/round-8b.json
     python -m dflash2.benchmarks.round_profile --shape qwen3-8b --compile --out runs/round-8b-fused.json
     python -m dflash2.benchmarks.round_profile --smoke --out /tmp/round.json                      # CPU, tiny shapes

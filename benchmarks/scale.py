@@ -1,6 +1,6 @@
 """Real model shapes, random weights: what one round of every DFlash 2 loop costs on the GPU, against plain decoding.
 
-    python -m dflash2.benchmarks.scale --parts 8b --out runs/scale-8b.json          # one H200
+    python -m dflash2.benchmarks.scale --parts 8b --out runs/scale-8b.json          # one GPU
     python -m dflash2.benchmarks.scale --parts 8b-long --out runs/scale-8b-long.json
     python -m dflash2.benchmarks.scale --parts 32b --out runs/scale-32b.json        # two GPUs (layers split)
     python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
@@ -25,7 +25,7 @@ On a target split over GPUs the own loops cannot be captured and run their round
 same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects methods for a process of its
 own.
 
-Parts (each fits one invocation of at most 10 minutes on one H200; `--budget` skips what would overrun, and says so):
+Parts (one invocation each; `--budget` skips what would overrun, and says so):
 - `8b`: every loop at block sizes 8 and 16, batch 1 (and 4, 8 for batched and plain), peak memory per method; the
   fused round compiles for minutes, so it runs only when asked, in an invocation of its own:
   `--parts 8b --methods plain-eager,fused` (its projection is then against plain eager; compare per-round times with

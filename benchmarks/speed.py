@@ -26,8 +26,8 @@ but the sweep's, `plain-graph` too (its step samples at the same settings).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
-transformers' cudagraph-tree compile of plain decoding ran in the same process hit an illegal memory access on the
-H200 (torch 2.11; docs/benchmarks.md).
+transformers' cudagraph-tree compile of plain decoding ran in the same process can hit an illegal memory access
+(torch 2.11, CUDA).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ BATCH_REPEATS = 3  # timed calls per batch size and method, after two warm-up ca
 import torch  # noqa: E402
 
 from dflash2.benchmarks.common import round_kind, settle  # noqa: E402
+from dflash2.tasks import left_padded  # noqa: E402
 
 
 def timed(target, ids, device, **kwargs):
@@ -52,13 +53,6 @@ def timed(target, ids, device, **kwargs):
     out = target.generate(ids, **kwargs)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     return out, time.perf_counter() - started
-
-
-def left_pad(rows, pad):
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def new_tokens(new: torch.Tensor, eos: int) -> int:
@@ -496,7 +490,7 @@ def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("pla
     sweep_results = {"warm_up_length": len(warm)}
     for batch in (1, 8):
         times = {m: [] for m in ("plain", "dflash2") if m in selected}
-        ids, mask = left_pad([warm] * batch, pad)
+        ids, mask = left_padded([warm] * batch, pad)
         for method in times:
             def warm_up():
                 timed(target, ids.to(device), device, attention_mask=mask.to(device), do_sample=False,
@@ -507,7 +501,7 @@ def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("pla
                                                                             warm_up)
         for i, length in enumerate(lengths):
             rows = [by_length[lengths[(i + j) % len(lengths)]][0].tolist() for j in range(batch)]
-            ids, mask = left_pad(rows, pad)
+            ids, mask = left_padded(rows, pad)
             ids, mask = ids.to(device), mask.to(device)
             for method in times:
                 _, seconds = timed(target, ids, device, attention_mask=mask, do_sample=False, pad_token_id=pad,
@@ -527,7 +521,7 @@ def batches(args, encoded, target, drafter, device, methods, common, pad, select
     table = {}
     for batch in args.batch_sizes:
         rows = (pool * ((batch // len(pool)) + 1))[:batch]
-        ids, mask = left_pad(rows, pad)
+        ids, mask = left_padded(rows, pad)
         ids, mask = ids.to(device), mask.to(device)
         entry = {}
         for method in [m for m in ("dflash2", "plain") if m in selected]:

@@ -14,13 +14,13 @@ are tensors the rounds read, so a new temperature, top-k, top-p or EOS set compi
 call runs the round its request's `do_sample` picks.
 
 The prefill is captured too, once per prefill bucket (`PREFILL_BUCKETS`: a prompt is left-padded to the next bucket),
-all when the core is built: an eager prefill of a small target is bound by kernel launches (tens of milliseconds on
-the H200's host, as long as dozens of rounds), a replay is not. Prompts longer than the largest bucket prefill eagerly.
+all when the core is built: an eager prefill of a small target is bound by kernel launches (as long as dozens of
+rounds), a replay is not. Prompts longer than the largest bucket prefill eagerly.
 
 Compiling in a background thread while the first calls decode was tried and is not safe with torch 2.11: FX tracing
 patches `torch.nn.Module.__call__` process-wide, so an eager target forward in the decoding thread (the prefill) was
 traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
-pool" (H200, docs/benchmarks.md). Fusion therefore never runs beside decoding in the caller's process: with
+pool". Fusion therefore never runs beside decoding in the caller's process: with
 `compile=True` inductor compiles in the calling thread before the first round, which waits for it; with
 `compile="background"` a child process compiles (`background.py`).
 """
@@ -53,7 +53,7 @@ class CapturedGraph:
         # As inductor's cudagraph trees do: drop cuBLAS's cached workspaces first, so the workspace this capture needs
         # is allocated in the graph's own pool and stays valid for its replays. A graph that had baked in a workspace
         # from the general pool is exposed to anyone who clears them later -- cudagraph trees do, before each of their
-        # captures -- and a replay after transformers' compiled plain decoding hit an illegal memory access (H200).
+        # captures -- and a replay after transformers' compiled plain decoding hit an illegal memory access.
         clear_cublas_workspaces()
         with torch.cuda.graph(self.graph, pool=pool):
             fn()

@@ -98,7 +98,7 @@ def draft_tree(anchor: torch.Tensor, candidates: torch.Tensor, pairs: torch.Tens
 def stable_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`values.topk(k, dim=-1)` over short rows [b, M] in a stable sort's order: best first, ties to the lower index,
     a NaN counted as -inf. On CUDA by rank (`top_k_by_rank`); elsewhere by a stable sort (the rank's M x M
-    comparisons cost a CPU more than the sort: 0.85 against 0.33 ms for a fused 16-node tree)."""
+    comparisons cost a CPU more than the sort)."""
     values = torch.where(values.isnan(), float("-inf"), values)
     if values.device.type == "cuda":
         return top_k_by_rank(values, k)
@@ -109,8 +109,7 @@ def stable_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 def top_k_by_rank(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best of rows [b, M] without NaNs, best first, ties to the lower index: each entry's rank is the number of
     entries ahead of it, and slot s takes the entry of rank s. Comparisons and sums that inductor fuses; `torch.topk`
-    is a library call of two kernels of its own, and the beam calls it once per draft row (on an H200 they took
-    0.23 ms of a 2.3 ms round with a tree of 16 nodes)."""
+    is a library call of two kernels of its own, and the beam calls it once per draft row."""
     position = torch.arange(values.shape[-1], device=values.device)
     other, this = values.unsqueeze(-2), values.unsqueeze(-1)  # [b, 1, M], [b, M, 1]
     ahead = (other > this) | ((other == this) & (position < position.unsqueeze(-1)))  # [b, M, M]: j ahead of i

@@ -7,7 +7,7 @@ from pathlib import Path
 # Before torch and transformers are imported:
 # - one CPU thread per test process unless OMP_NUM_THREADS says otherwise: the tests run tiny models, where a second
 #   thread buys nothing on a quiet 2-core machine and costs a lot on a loaded one (OpenMP threads spin-wait on each
-#   other: the suite took 7 min with one thread and over 26 min with torch's default on a busy 2-core machine);
+#   other, several times slower on a busy 2-core machine);
 #   subprocesses (the fresh-process test) inherit the setting;
 # - inductor compiles in this process instead of starting a pool of compile workers (on 2 cores the pool's start
 #   costs more than it saves, and its workers outlive an interrupted run);

@@ -200,7 +200,7 @@ def test_every_option_has_help_and_a_default():
 # ------------------------------------------------------------------------------------------------ generate, end to end
 @pytest.fixture
 def tiny_pair(monkeypatch):
-    """`dflash2 generate` on a tiny target (the real one takes 20 s to load; test_readme.py runs it)."""
+    """`dflash2 generate` on a tiny target (the real one is slow to load; test_readme.py runs it)."""
     target = tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, seed=3).attach(target)
     tokenizer = _tiny_tokenizer()

@@ -284,7 +284,7 @@ def failed_first_build(tmp_path, monkeypatch, hook: str, seed: int, tokens: int)
 
 @pytest.mark.slow
 def test_a_child_that_crashes_on_its_package_costs_the_caller_nothing(tmp_path, monkeypatch):
-    """On the H200 (torch 2.11, CUDA) loading an AOTInductor package crashed the loading process. The child loads and
+    """On a CUDA image (torch 2.11) loading an AOTInductor package crashed the loading process. The child loads and
     checks its round before publishing it: here that load is made to crash (a segmentation fault). The caller warns
     once, stays unfused, publishes nothing, and every output still equals plain greedy. A crash is no deterministic
     failure: nothing is remembered, and a later process (a fresh set of runners) tries again."""

@@ -9,7 +9,7 @@ import torch
 from helpers import EOS, assert_follows, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
 from dflash2.modeling_dflash2 import CACHE_NAME
-from dflash2.training.decoding import left_padded
+from dflash2.tasks import left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = {"assisted": {"loop": "transformers"}, "static": {"cache_implementation": "static"}}

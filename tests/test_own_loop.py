@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from dflash2.generation import attached_drafter
 from dflash2.generation.round_core import RoundCore
-from dflash2.training.decoding import left_padded as left_pad
+from dflash2.tasks import left_padded as left_pad
 from dflash2.generation.sampling import Sampling, row_warped_probabilities, speculative_accept, warped_probabilities
 from helpers import (EOS, VOCAB, assert_follows, check_sampling_is_exact, exact_distribution_of_step, sampling_case,
                      sliding_qwen3, tiny_drafter, tiny_target)

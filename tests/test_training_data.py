@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from dflash2.tasks import left_padded
+
 from training_helpers import save_tiny_target, write_prompt_file
 from dflash2.cli import build_parser
 from dflash2.training import prompts as prompt_sources
@@ -75,7 +77,7 @@ def test_sampled_answers_follow_their_seed_and_differ_from_greedy(tiny):
 
 def test_a_time_limit_cuts_greedy_and_sampled_batches_alike(tiny, monkeypatch):
     """Under a time limit the batches of both kinds run in one shuffled order: a cut keeps about the planned mix,
-    even when batches are slow (on one H200, four 60-second greedy batches used to take the whole limit)."""
+    even when batches are slow."""
     from dflash2.training import selfdistill
 
     target, tokenizer, prompts = tiny
@@ -126,7 +128,7 @@ def test_inplace_answers_equal_generate_greedy_and_drop_ended_rows(tiny):
     # end rows early: take as "EOS" tokens that the greedy answers reach at different steps
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
     assert len({len(p) for p in encoded}) >= 2  # left padding inside the batch
-    input_ids, attention_mask = decoding.left_padded(encoded, tokenizer.eos_token_id)
+    input_ids, attention_mask = left_padded(encoded, tokenizer.eos_token_id)
     plain = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False,
                             pad_token_id=tokenizer.eos_token_id)[:, input_ids.shape[1]:].tolist()
     eos_ids = sorted({answer[step] for answer, step in zip(plain, [2, 5, 9, 13] * 3)})

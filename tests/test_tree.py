@@ -13,7 +13,7 @@ from dflash2.generation.sampling import Sampling
 from dflash2.generation.tree import (DEPTH_TIE_BREAK, SAMPLED_CHILD_ACCEPTANCE, SampledTreeShape, accept_tree,
                                      draft_tree, sample_by_inverse_cdf, sample_tree, speculative_accept_tree,
                                      stable_top_k, top_k_by_rank)
-from dflash2.training.decoding import left_padded as left_pad
+from dflash2.tasks import left_padded as left_pad
 from helpers import EOS, assert_follows, check_sampling_is_exact, sampling_case, sliding_qwen3, tiny_drafter, tiny_target
 
 

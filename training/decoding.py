@@ -1,7 +1,7 @@
 """A lean batched decoding loop for self-distillation: Llama-family targets (llama, mistral, qwen2, qwen3) answered
 over a key/value cache allocated once per batch and written in place.
 
-transformers' `generate` spends most of an H200's time answering large left-padded batches on copies, not on the
+transformers' `generate` spends most of a GPU's time answering large left-padded batches on copies, not on the
 model: its dynamic cache concatenates every layer's keys and values at every step (the whole cache is copied each
 step), its sdpa path repeats keys and values per query group under a padding mask, and a row that has ended keeps
 its place until the batch's longest answer ends. Here:
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash2.tasks import left_padded
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -45,17 +47,6 @@ def supports(target) -> str | None:
     if not hasattr(getattr(target, "model", None), "layers"):
         return "the target has no .model.layers: answer with --cache dynamic"
     return None
-
-
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), each (len(prompts), width): the prompts right-aligned, as wide as the longest."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
-    return input_ids, attention_mask
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -177,8 +168,8 @@ def decode_step(decoder: Decoder, cache, key_valid, tokens, position, column):
 
 class DecodeStep:
     """`decode_step` over one batch's cache and key mask; on CUDA captured once as a CUDA graph and replayed (the
-    step's few hundred small kernels then cost one launch: an H200 answering 1024 or 2048 rows took the same 85 ms
-    per step eagerly, bound by launching them, session 9). Call it with the step's tokens, positions and column."""
+    step's few hundred small kernels then cost one launch; eagerly a step of 1024 or 2048 rows is bound by launching
+    them). Call it with the step's tokens, positions and column."""
 
     def __init__(self, decoder: Decoder, cache, key_valid, tokens, position, column: int, graph: bool = True):
         self.decoder, self.cache, self.key_valid = decoder, cache, key_valid

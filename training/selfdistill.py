@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dflash2.tasks import prompt_ids, read_jsonl, read_prompts
+from dflash2.tasks import left_padded, prompt_ids, read_jsonl, read_prompts
 from dflash2.training import decoding
-from dflash2.training.decoding import left_padded
 
 ANSWER_MODES = ("greedy", "sampled", "both", "mix")
 CACHE_MODES = ("auto", "inplace", "dynamic")
@@ -131,8 +130,8 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
 
     There the query heads that share a key/value head are folded into the query-length axis: query (B, H, 1, D) is
     read as (B, H_kv, G, D), so keys and values are used as they are. transformers' sdpa copies them G times
-    (`repeat_kv`) whenever a padding mask is present, which took about 45 % of an H200's time answering left-padded
-    batches of 1536 (session 8 profile). Exact: every folded query row sees the same (batch, key) mask row."""
+    (`repeat_kv`) whenever a padding mask is present, which dominates a GPU's time answering large left-padded batches
+    (docs/training.md). Exact: every folded query row sees the same (batch, key) mask row."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)

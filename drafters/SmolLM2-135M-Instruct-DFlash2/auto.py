@@ -243,9 +243,9 @@ CONVERTED_FORMAT = 1  # bump when what a converted folder holds changes
 
 
 def converted_target(gguf_path: Path, dtype: torch.dtype, device_map=None):
-    """A GGUF target, dequantised by transformers on its first load (20-40 s for SmolLM2-135M, the tokenizer rebuilt
+    """A GGUF target, dequantised by transformers on its first load (slow: the tokenizer is rebuilt
     from the file's vocabulary) and saved in `dtype` as an ordinary model folder under `<cache_root>/targets`, so later
-    loads read safetensors (about a second). The folder's name holds the file's path, size and modification time, the
+    loads read safetensors. The folder's name holds the file's path, size and modification time, the
     dtype and the transformers version: a changed file or another version converts again. The folder appears
     atomically once complete; a failure to write it only warns. `DFLASH2_CONVERT_GGUF=0` turns this off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -31,8 +31,7 @@ ROUNDS_PER_READ = 4  # rounds queued between two host reads of the token stream
 MAX_RUNNERS = 4
 # Columns of the buffers. A round attends over every column of its core, so capacities stay close to the request: on
 # CUDA powers of two from 512 up to 8192 (few captured graphs and fused packages, one per capacity), then steps of
-# 8192; on a CPU steps of 256. A fused round of the default target at 512 columns costs 0.72x the same round at 2048
-# (H200, docs/benchmarks.md).
+# 8192; on a CPU steps of 256 (docs/benchmarks.md: a round's cost by capacity).
 MIN_CAPACITY = {"cuda": 512, "cpu": 256}
 CUDA_CAPACITY_STEP = 8192
 

@@ -29,7 +29,7 @@ This file holds what is compiled and how it is checked: a round as a program ove
 a row parted by a near tie in half precision allowed, `round_comparison`). `background.py` runs the child and
 decides, in the caller, when to switch or to stay unfused.
 
-Why not AOTInductor: its C++ loader crashed the loading process on the H200 image (torch 2.11, CUDA), with and without
+Why not AOTInductor: its C++ loader crashed the loading process on a CUDA image (torch 2.11), with and without
 weights in the package; `aot_compile` keeps inductor's Python runtime, the one `compile=True` runs on.
 """
 
@@ -328,8 +328,8 @@ def build_package(spec: dict, path: Path, scratch: Path | None = None) -> None:
                 package.write(saved, entry)
                 print(f"{entry}: compiled in {time.perf_counter() - started:.1f} s, {saved.stat().st_size / 1e6:.1f} "
                       "MB", flush=True)  # the build's log says where its time goes
-        # loaded and checked here first: a round that cannot be loaded (AOTInductor's loader crashed the loading
-        # process on the H200) or disagrees ends this child, never the caller, and is never published
+        # loaded and checked here first: a round that cannot be loaded (a loader that crashes the loading process) or
+        # disagrees ends this child, never the caller, and is never published
         started = time.perf_counter()
         if load_fused_rounds(core, partial) is None:
             raise RuntimeError("the package built here failed its own check; not published")

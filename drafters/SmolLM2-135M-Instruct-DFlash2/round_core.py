@@ -95,8 +95,8 @@ class ColumnCache:
     the device of that layer's keys (a target spread by `device_map` keeps each layer's cache beside the layer).
 
     Writes and moves are `index_put_` into the 4-d buffers themselves. Inductor writes those in place; an
-    `index_copy_` into a flattened view of the buffer, which it also lowers in place on a CPU, cost every layer a
-    kernel over the whole buffer and a copy back on an H200 (the verify forward 1.863 ms against 1.655 ms).
+    `index_copy_` into a flattened view of the buffer, which it also lowers in place on a CPU, costs every layer a
+    kernel over the whole buffer and a copy back on CUDA.
     """
 
     is_compileable = True
@@ -438,9 +438,8 @@ class RoundCore:
     def warm_sampling_steps(self) -> None:
         """Run once the eager steps a sampled request adds around its captured rounds (the first token's draw from the
         warped prompt logits, the noise), on a private generator and into buffers every request overwrites. On CUDA a
-        kernel's first use in a process loads it, which otherwise fell in the first sampled call (the first sampled
-        call of a fused H200 process ran 1.18x its second: these loads and the sampled graph's first launch, which
-        `graphs.capture_rounds` now makes too)."""
+        kernel's first use in a process loads it, which otherwise falls in the first sampled call (so does the sampled
+        graph's first launch, which `graphs.capture_rounds` makes)."""
         generator = torch.Generator(self.device).manual_seed(0)
         first_token(self.prompt_logits, True, self.temperature, self.top_k, self.top_p, generator)
         self.draw_noise(generator)
