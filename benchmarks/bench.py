@@ -272,7 +272,7 @@ def batched_row(target, tokenizer, drafter, prompts, batch: int, max_new_tokens:
                       **extra)
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
         out, seconds, forwards = timed_generate(target, ids, kwargs, device)
-        generated = out[:, width:]
+        generated = out[:, ids.shape[1]:]
         tokens = int((generated != pad).sum())
         row[name] = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
                      "target_forwards": forwards}

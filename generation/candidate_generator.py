@@ -7,7 +7,7 @@ path through the top-k candidates. The loop then verifies the block with one tar
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
 of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block
-and a token short of the cache at most), and the loop encodes only what follows (`encode_only_uncached`). A cache the
+and a token short of the cache at most), and the loop encodes only what follows (`transformers_patches.encode_only_uncached`). A cache the
 drafter did not fill (plain `generate`, another drafter, other tokens) is emptied: the turn encodes the whole
 conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it
 lacks.
@@ -15,8 +15,6 @@ lacks.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import weakref
 from dataclasses import dataclass
 
@@ -223,38 +221,6 @@ def reusable_length(context: DraftContext | None, drafter, input_ids, cached: in
     earlier = context.tokens[0, :length].to(input_ids.device)
     same = (earlier == input_ids[0, :length]).long().cumprod(0)
     return int(same.sum())
-
-
-@contextlib.contextmanager
-def encode_only_uncached(target):
-    """While inside, the first forward of transformers' assisted loop encodes only the ids past the target cache.
-
-    transformers' `_assisted_decoding` (5.17-5.24) feeds the whole prompt to its first forward, also on top of a
-    non-empty cache, so an earlier turn's positions were encoded twice (plain decoding slices them off in `_prefill`).
-    This applies `_prefill`'s slicing to that forward.
-    """
-    own = target.__dict__.get("prepare_inputs_for_generation")
-    prepare = target.prepare_inputs_for_generation
-
-    @functools.wraps(prepare)  # its signature too: transformers checks generate's kwargs against it
-    def prepare_inputs_for_generation(input_ids, *args, next_sequence_length=None, is_first_iteration=False, **kwargs):
-        cache = target_cache_of(kwargs)
-        if is_first_iteration and next_sequence_length is None and cache is not None:
-            cached = cache.get_seq_length()
-            mask = kwargs.get("attention_mask")
-            whole = mask is None or mask.shape[-1] == input_ids.shape[1]
-            if 0 < cached < input_ids.shape[1] and whole:
-                next_sequence_length = input_ids.shape[1] - cached
-        return prepare(input_ids, *args, next_sequence_length=next_sequence_length,
-                       is_first_iteration=is_first_iteration, **kwargs)
-
-    target.prepare_inputs_for_generation = prepare_inputs_for_generation
-    try:
-        yield
-    finally:
-        del target.prepare_inputs_for_generation
-        if own is not None:
-            target.prepare_inputs_for_generation = own
 
 
 def cut_after_eos(drafts: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

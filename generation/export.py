@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The modules a drafter folder ships, in import order (each imports only earlier ones).
 SHIPPED_MODULES = ("configuration_dflash2", "modeling_dflash2", "stats", "sampling", "candidate_generator",
-                   "tree", "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
+                   "transformers_patches", "tree", "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 AUTO_MAP = {
     "AutoConfig": "configuration_dflash2.DFlash2Config",

@@ -1,4 +1,5 @@
 """Hooking a DFlash 2 drafter into `target.generate`: attach / detach, dispatch between the loops, request checks.
+(The patches of the target themselves, and how detach undoes them: `transformers_patches.py`.)
 
 After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs DFlash 2's own loop
 (`decode.py`: fixed buffers, CUDA graphs and the fused round on a GPU) wherever it is exact for the call: a batch, and
@@ -16,9 +17,11 @@ import warnings
 
 import torch
 
-from .candidate_generator import DFlash2CandidateGenerator, encode_only_uncached
+from .candidate_generator import DFlash2CandidateGenerator
 from .decode import LoopCache, check_left_padded, own_loop_generate, release_runners, single_device
 from .stats import DFlash2Stats, truncate_at_eos
+from .transformers_patches import (count_rounds_of, encode_only_uncached, original_methods, patch_target,
+                                   unpatch_target)
 
 # Largest batch at which batched DFlash 2 was measured faster than plain batched `generate` (docs/benchmarks.md):
 # beyond it the verification of batch x block tokens stops being latency-bound and speculation costs time.
@@ -38,13 +41,9 @@ def attach(drafter, target, use_by_default: bool = False):
     Only this target instance changes; `detach(target)` restores it.
     """
     drafter.bind_target(target)
-    if "_dflash2_originals" not in target.__dict__:
-        target._dflash2_originals = {
-            "_get_candidate_generator": target._get_candidate_generator,
-            "generate": target.__dict__.get("generate"),
-        }
-    original_get_candidate_generator = target._dflash2_originals["_get_candidate_generator"]
-    original_generate = target._dflash2_originals["generate"] or type(target).generate.__get__(target)
+    originals = original_methods(target)
+    original_get_candidate_generator = originals["_get_candidate_generator"]
+    original_generate = originals["generate"] or type(target).generate.__get__(target)
 
     def _get_candidate_generator(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, *args, **kwargs):
@@ -57,7 +56,7 @@ def attach(drafter, target, use_by_default: bool = False):
             *args, **kwargs,
         )
         if is_dflash2_drafter(assistant_model):  # transformers' own DFlash path: count its rounds into last_stats
-            record_stats_of(generator, assistant_model, input_ids.shape[1])
+            count_rounds_of(generator, assistant_model, input_ids.shape[1])
         return generator
 
     @functools.wraps(original_generate)
@@ -96,9 +95,7 @@ def attach(drafter, target, use_by_default: bool = False):
             raise ValueError(f"{name}= needs a DFlash 2 drafter as assistant_model; drop {name}.")
         return original_generate(*args, **kwargs)
 
-    target._get_candidate_generator = _get_candidate_generator
-    target.generate = generate
-    target.__dict__["_dflash2_drafter"] = drafter  # not nn.Module.__setattr__: the drafter is no submodule of the target
+    patch_target(target, drafter, generate, _get_candidate_generator)
     return target
 
 
@@ -110,14 +107,7 @@ def attached_drafter(target):
 def detach(target):
     """Undo `attach`: the target's own `generate` and candidate-generator dispatch come back, and the drafter lets go
     of the target (its borrowed embeddings and head, and the round runners with their buffers and graphs)."""
-    originals = target.__dict__.pop("_dflash2_originals", None)
-    if originals is None:
-        return target
-    del target._get_candidate_generator
-    del target.generate
-    if originals["generate"] is not None:
-        target.generate = originals["generate"]
-    drafter = target.__dict__.pop("_dflash2_drafter", None)
+    drafter = unpatch_target(target)
     if drafter is not None:
         drafter._target_parts = {}
         release_runners(drafter, target)
@@ -273,20 +263,6 @@ def unsupported_settings(config) -> dict:
             continue
         found[name] = value
     return found
-
-
-def record_stats_of(generator, drafter, prompt_length: int) -> None:
-    """Make a candidate generator of transformers' (the built-in `speculation_type="dflash"` path) fill
-    `drafter.last_stats` as our own generator does: one round per verification forward, prefill included."""
-    stats = drafter.last_stats = DFlash2Stats(drafter.config.block_size)
-    update = generator.update_candidate_strategy
-
-    def update_candidate_strategy(input_ids, scores, num_matches):
-        stats.record_round(int(num_matches))
-        stats.completion_tokens = input_ids.shape[1] - prompt_length
-        return update(input_ids, scores, num_matches)
-
-    generator.update_candidate_strategy = update_candidate_strategy
 
 
 def _other_speculation(kwargs) -> bool:

@@ -37,6 +37,7 @@ from ..configuration_dflash2 import tree_nodes_problem
 from ..modeling_dflash2 import cache_keyword, sample_gumbel, tap_target_features
 from .sampling import (Sampling, draft_temperature, first_token, greedy_accept, is_any_of, padded_eos_ids,
                        row_warped_probabilities, speculative_accept)
+from .transformers_patches import assisted_loop_rolls_state_back
 from .tree import (DraftTree, SampledTree, SampledTreeShape, accept_tree, draft_tree, sample_tree,
                    speculative_accept_tree)
 
@@ -675,11 +676,3 @@ def check_target_fits(target) -> None:
                       "this one without assistant_model.")
         raise ValueError(f"The target has {unsupported} layers, whose state DFlash 2's own loops cannot roll back "
                          f"to a verified position (they need attention-only targets); {advice}")
-
-
-def assisted_loop_rolls_state_back() -> bool:
-    """Whether transformers' assisted loop verifies drafts for targets with recurrent layers (linear attention,
-    Mamba): from 5.25 it records their states and rolls them back; before, it refused them."""
-    from packaging.version import Version
-
-    return Version(transformers.__version__).release >= (5, 25)

@@ -20,7 +20,7 @@ from dflash2.configuration_dflash2 import DFlash2Config
 from dflash2.generation import DFlash2Drafter
 from dflash2.generation.export import write_code_files
 from dflash2.generation.published import export_published, main, published_config_dict, serving_commands
-from dflash2.generation.round_core import assisted_loop_rolls_state_back
+from dflash2.generation.transformers_patches import assisted_loop_rolls_state_back
 from dflash2.modeling_dflash2 import DFlash2DraftModel
 from helpers import VOCAB, tiny_drafter, tiny_target
 
