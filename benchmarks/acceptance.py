@@ -29,7 +29,7 @@ import torch
 
 def main(argv=None):
     from dflash2.benchmarks.common import write_report
-    from dflash2.pairs import DEFAULT_DRAFTER, UsageError, add_model_arguments, check_model_arguments
+    from dflash2.model_args import DEFAULT_DRAFTER, UsageError, add_model_arguments, check_model_arguments
     from dflash2.tasks import TASKS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,7 +82,7 @@ def main(argv=None):
 
 def measure(args, tasks: list[str], skips: list[int]) -> dict:
     """One drafter's report: τ per task and per prompt category, and per prompt."""
-    from dflash2.pairs import load_pair, sampling_kwargs
+    from dflash2.model_args import load_pair, sampling_kwargs
     from dflash2.tasks import prompt_ids, task_categories, task_prompts
 
     target, tokenizer, drafter = load_pair(args, check=False)

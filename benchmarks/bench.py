@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash2.benchmarks.common import round_kind, settle
-from dflash2.pairs import sampling_kwargs
+from dflash2.model_args import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
 
 

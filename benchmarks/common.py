@@ -1,4 +1,4 @@
-"""What the benchmark scripts share beyond the model arguments and the pair (`dflash2.pairs`): their reports, and
+"""What the benchmark scripts share beyond the model arguments and the pair (`dflash2.model_args`): their reports, and
 waiting for the fused round so that what they time is the loop a user has."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def round_kind(drafter, batch: int) -> str | None:
 
 def settle(drafter, again) -> float:
     """compile="background" (the default on one CUDA device): wait for every child still building a fused round, then
-    `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. Returns the seconds waited (0 when nothing was building)."""
+    `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. Returns
+    the seconds waited (0 when nothing was building)."""
     started = time.perf_counter()
     if not drafter.wait_for_fusion():
         return 0.0

@@ -38,7 +38,7 @@ from pathlib import Path
 def fresh_caches() -> None:
     """Empty compile caches and an empty fused-rounds/ (data files and converted targets linked from the usual
     cache), for this process and the children it starts; inductor and triton read them when they first compile."""
-    from dflash2.generation.fusion import cache_root
+    from dflash2.generation.fused_package import cache_root
 
     usual, fresh = cache_root(), Path(tempfile.mkdtemp(prefix="dflash2-first-minute-"))
     for kept in ("packages", "targets"):
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         cli(["precompile", "--dtype", "bfloat16", "--batch-sizes", *args.batch_sizes, "--max-length", "768",
              "--artifacts", args.export])
         print(f"built and exported in {time.perf_counter() - started:.0f} s", flush=True)
-        from dflash2.generation.fusion import cache_dir
+        from dflash2.generation.fused_package import cache_dir
 
         for log in sorted(cache_dir().glob("*.log")):  # each child's timings
             print(log.name, "|", " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:]), flush=True)
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     import torch
 
     from dflash2.generation import DFlash2Drafter, load_target
-    from dflash2.pairs import DEFAULT_DRAFTER
+    from dflash2.model_args import DEFAULT_DRAFTER
     from dflash2.tasks import chat_prompt_ids, task_prompts
 
     device = torch.device(args.device)

@@ -116,7 +116,7 @@ def call(target, ids, device, **kwargs):
 
 def main(argv=None):
     from dflash2.benchmarks.common import command_line, write_report
-    from dflash2.pairs import add_model_arguments, load_pair, positive_int
+    from dflash2.model_args import add_model_arguments, load_pair, positive_int
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, max_new_tokens=64)

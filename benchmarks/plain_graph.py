@@ -23,8 +23,9 @@ temperature; the noise is drawn into a fixed buffer before each replay (a few sm
 2's sampled round draws its own), and the first token after the prefill is sampled like `generate`'s.
 
 Buffers. The cache has `capacity` columns, chosen as DFlash 2's own loop chooses its buffers on a GPU
-(`generation.decode.capacity_for`): a step attends over every column (like `generate`'s static cache, which is sized
-to the request), and one captured graph serves every request of a capacity. Rows of a batch must have the same length (no padding mask).
+(`generation.loop.capacity_for`): a step attends over every column (like `generate`'s static cache, which is sized to
+the request), and one captured graph serves every request of a capacity. Rows of a batch must have the same length (no
+padding mask).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 
 import torch
 
-from dflash2.generation.decode import capacity_for as own_loop_capacity
+from dflash2.generation.loop import capacity_for as own_loop_capacity
 from dflash2.generation.sampling import Sampling, first_token, is_any_of, row_warped_logits
 from dflash2.modeling_dflash2 import sample_gumbel
 
@@ -154,7 +155,7 @@ class PlainGraphLoop:
 
 def call_sampling(model, kwargs: dict) -> Sampling:
     """The sampling setting `model.generate(**kwargs)` would use, resolved as DFlash 2's own loop resolves a call
-    (`generation/hooks.py`): transformers' own preparation of the call's settings over the model's generation config
+    (`generation/dispatch.py`): transformers' own preparation of the call's settings over the model's generation config
     over its global defaults (top_k=50 where a sampling call leaves top_k unset)."""
     config, _ = model._prepare_generation_config(None, **kwargs)
     return Sampling.from_generation_config(config)

@@ -62,7 +62,7 @@ def smollm2_pair(device, dtype, block_size: int, smoke: bool):
     """A Llama of SmolLM2-135M's shape and a drafter of the shipped drafter's config (layers, taps, selector)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash2.pairs import DEFAULT_DRAFTER
+    from dflash2.model_args import DEFAULT_DRAFTER
     from dflash2.configuration_dflash2 import DFlash2Config
     from dflash2.generation import DFlash2Drafter
 
@@ -206,7 +206,7 @@ def profile(target, drafter, context: int, compile: bool, replays: int, capacity
     (`tree_round_parts`; 0: the path round)."""
     from dflash2.benchmarks.plain_graph import device_ms, forward_fn
     from dflash2.generation.graphs import CapturedGraph
-    from dflash2.generation.decode import capacity_for, uses_graphs
+    from dflash2.generation.loop import capacity_for, uses_graphs
     from dflash2.generation.round_core import RoundCore, prefill_width
 
     capture = uses_graphs(target, drafter)

@@ -405,13 +405,13 @@ def oracle_drafts(references: dict, seed: int = 0):
     greedy), in transformers' loop and in the round core, so rounds accept anywhere from 0 to B-1 drafts. The
     overwrite reads the host every round, which no CUDA graph can hold: the own loops run their rounds eagerly
     meanwhile (the random-draft cases check the captured rounds)."""
-    from dflash2.generation import decode
+    from dflash2.generation import loop
     from dflash2.generation.candidate_generator import DFlash2CandidateGenerator
     from dflash2.generation.round_core import RoundCore
 
     rng = random.Random(seed)
     propose, get_candidates, uses_graphs = RoundCore.propose, DFlash2CandidateGenerator.get_candidates, \
-        decode.uses_graphs
+        loop.uses_graphs
 
     def overwrite(drafts, emitted, reference):
         usable = max(0, min(rng.randint(0, drafts.shape[0]), len(reference) - emitted))
@@ -432,12 +432,12 @@ def oracle_drafts(references: dict, seed: int = 0):
         return torch.cat([input_ids, drafts[None]], dim=1), logits
 
     RoundCore.propose, DFlash2CandidateGenerator.get_candidates = oracle_propose, oracle_get_candidates
-    decode.uses_graphs = lambda target, drafter: False
+    loop.uses_graphs = lambda target, drafter: False
     try:
         yield
     finally:
         RoundCore.propose, DFlash2CandidateGenerator.get_candidates = propose, get_candidates
-        decode.uses_graphs = uses_graphs
+        loop.uses_graphs = uses_graphs
 
 
 def lossless_cases(target, drafter, prompts, args, devices, label: str) -> list[dict]:

@@ -26,7 +26,7 @@ import time
 from urllib.parse import urlparse
 
 from dflash2.benchmarks.common import command_line, write_report
-from dflash2.pairs import add_model_arguments, positive_int
+from dflash2.model_args import add_model_arguments, positive_int
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -164,7 +164,7 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
     import torch
 
     from dflash2.benchmarks.plain_graph import timed_plain_graph_generate
-    from dflash2.pairs import load_pair
+    from dflash2.model_args import load_pair
     from dflash2.tasks import chat_prompt_ids
 
     target, tokenizer, _ = load_pair(args)

@@ -70,7 +70,7 @@ def summary(times, tokens):
 
 def main(argv=None):
     from dflash2.benchmarks.common import command_line
-    from dflash2.pairs import add_model_arguments, load_pair, sampling_kwargs
+    from dflash2.model_args import add_model_arguments, load_pair, sampling_kwargs
     from dflash2.benchmarks.plain_graph import call_sampling, timed_plain_graph_generate
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
@@ -89,7 +89,7 @@ def main(argv=None):
     fusion.add_argument("--background-fusion", action="store_true",
                         help="DFlash 2 with compile='background' (the default on one CUDA device): unfused at once, "
                              "the round compiled ahead of time in a child process and switched to when ready "
-                             "(generation/fusion.py)")
+                             "(generation/fused_package.py)")
     fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
                         "round's kernels (on a CPU: the eager round)")
     parser.add_argument("--tree-nodes", type=int, default=32, help="nodes of the tree the `dflash2-tree` method "

@@ -1,14 +1,14 @@
-"""DFlash 2 inside transformers' generation: candidate generator, the round core and its loop, hooks, export.
+"""DFlash 2 inside transformers' generation: candidate generator, the round core and its loop, dispatch, export.
 
 The files of this package also ship in a drafter folder, as flat remote code beside configuration_dflash2.py and
 modeling_dflash2.py: `python -m dflash2.generation.export` writes those flat copies (export.py, `write_code_files`).
 """
 
-from .auto import DFlash2Drafter, DFlash2SpeculativeLM, load_target, resolve_target_location
+from .drafter import DFlash2Drafter, DFlash2SpeculativeLM, load_target, resolve_target_location
 from .candidate_generator import DFlash2CandidateGenerator
-from .decode import own_loop_generate
+from .loop import own_loop_generate
 from .export import export_drafter
-from .hooks import attach, attached_drafter, detach
+from .dispatch import attach, attached_drafter, detach
 from .stats import DFlash2Stats
 
 __all__ = ["DFlash2CandidateGenerator", "DFlash2Drafter", "DFlash2SpeculativeLM", "DFlash2Stats", "attach",

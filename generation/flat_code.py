@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .export import PACKAGE_ROOT, flat_code_files, write_code_files
+from .export import FLAT_CODE_COMMAND, PACKAGE_ROOT, flat_code_files, write_code_files
 
 SHIPPED_DRAFTER = PACKAGE_ROOT / "drafters" / "SmolLM2-135M-Instruct-DFlash2"
 
@@ -22,14 +22,15 @@ def drifted_files(folder) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash2.generation.flat_code", description=__doc__.split("\n")[0])
-    parser.add_argument("folders", nargs="*", default=[SHIPPED_DRAFTER], help="drafter folders (default: the shipped one)")
+    parser.add_argument("folders", nargs="*", default=[SHIPPED_DRAFTER],
+                        help="drafter folders (default: the shipped one)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a folder's copies drifted")
     args = parser.parse_args(argv)
     drifted = {str(folder): drifted_files(folder) for folder in args.folders}
     if args.check:
         for folder, names in drifted.items():
             if names:
-                print(f"{folder}: {', '.join(names)} differ from the sources; run python -m dflash2.generation.flat_code")
+                print(f"{folder}: {', '.join(names)} differ from the sources; run {FLAT_CODE_COMMAND}")
         return 1 if any(drifted.values()) else 0
     for folder in args.folders:
         write_code_files(folder)

@@ -4,7 +4,7 @@ On CUDA the round is captured as a CUDA graph over the core's fixed buffers. By 
 eager kernels: the capture takes a fraction of a second, so the first call decodes without waiting for any compiler.
 With `compile=True` the round is first compiled by inductor (fused kernels; torch keeps the result in its on-disk
 caches, so later processes compile faster) and that is captured. With `compile="background"` a round compiled ahead
-of time in a child process replaces it once it exists (`background.py`, `RoundRunner.use_fused`). A replayed graph
+of time in a child process replaces it once it exists (`background_build.py`, `RoundRunner.use_fused`). A replayed graph
 consults no dynamo guard: a prompt of a new length never compiles or captures anything.
 
 A core has two rounds, greedy (`RoundCore.round`) and sampled (`RoundCore.sampled_round`). Where rounds are captured,
@@ -22,7 +22,7 @@ patches `torch.nn.Module.__call__` process-wide, so an eager target forward in t
 traced by mistake ("module is not installed as a submodule"), and inductor failed with "Attempting to use a closed
 pool". Fusion therefore never runs beside decoding in the caller's process: with
 `compile=True` inductor compiles in the calling thread before the first round, which waits for it; with
-`compile="background"` a child process compiles (`background.py`).
+`compile="background"` a child process compiles (`background_build.py`).
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ class RoundRunner:
     bucket as well (`prefill`).
 
     Public, for benchmarks and tests (through `DFlash2Drafter.round_runners`): `kind` (how its rounds run now, e.g.
-    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers, rounds and
-    the current request's settings), `mode`, `fusion` (a `background.BackgroundFusion` with compile="background",
-    else None), calling it (one round of the kind `core.do_sample` picks), `prefill` and `release`.
+    "graph (eager kernels)", "graph (fused ahead of time)", "eager"), `core` (the `RoundCore`: its buffers, rounds
+    and the current request's settings), `mode`, `fusion` (a `background_build.BackgroundFusion` with
+    compile="background", else None), calling it (one round of the kind `core.do_sample` picks), `prefill` and
+    `release`.
     """
 
     def __init__(self, core: RoundCore, mode: str, capture: bool = True):
@@ -93,7 +94,7 @@ class RoundRunner:
         self.state = round_state(core)  # the declared buffers every captured or compiled round reads and writes
         self.captured = captured = capture and mode != "eager"  # the caller's choice: one CUDA device holds both
         self.prefill_graphs = self._capture_prefills(core) if captured else {}
-        self.fusion = None  # a BackgroundFusion when compile="background" (set by decode.round_runner_for)
+        self.fusion = None  # a BackgroundFusion when compile="background" (set by loop.round_runner_for)
         rounds = (core.round, core.sampled_round)
         if mode == "eager":
             steps, self.kind = rounds, "eager"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.decode import MAX_RUNNERS, round_runner_for, uses_graphs
+from ..generation.loop import MAX_RUNNERS, round_runner_for, uses_graphs
 from ..generation.round_core import columns_per_round, prefill_width
 from ..generation.sampling import Sampling, eos_token_ids
 from ..generation.stats import truncate_at_eos

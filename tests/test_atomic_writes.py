@@ -55,7 +55,7 @@ def test_save_pretrained_takes_transformers_own_arguments(tmp_path):
     drafter = tiny_drafter(target)
     drafter.save_pretrained(tmp_path / "a", max_shard_size="30KB", safe_serialization=True)
     assert len(list((tmp_path / "a").glob("*.safetensors"))) > 1
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["auto_map"]["AutoModel"] == "auto.DFlash2Drafter"
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["auto_map"]["AutoModel"] == "drafter.DFlash2Drafter"
 
 
 def test_push_to_hub_uploads_the_finished_folder(tmp_path, monkeypatch):

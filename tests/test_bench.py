@@ -151,7 +151,7 @@ def test_acceptance_passes_tree_nodes_to_generate(monkeypatch):
     drafter = types.SimpleNamespace(config=config, device=torch.device("cpu"), last_stats=stats)
     target = types.SimpleNamespace(dtype=torch.float32, generate=lambda ids, **kwargs: seen.append(kwargs["tree_nodes"]))
     tokenizer = types.SimpleNamespace(eos_token_id=0)
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=False: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=False: (target, tokenizer, drafter))
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
@@ -171,7 +171,7 @@ def test_sampling_options_have_no_top_k_cut_unless_asked():
 
     import pytest
 
-    from dflash2.pairs import add_model_arguments, sampling_kwargs
+    from dflash2.model_args import add_model_arguments, sampling_kwargs
 
     assert sampling_kwargs(0.0, 0.9) == {"do_sample": False}
     assert sampling_kwargs(1.0) == {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -199,7 +199,7 @@ def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
                                     last_stats=stats)
     target = types.SimpleNamespace(dtype=torch.float32, generate=lambda ids, **kwargs: seen.append(kwargs))
     tokenizer = types.SimpleNamespace(eos_token_id=0)
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=False: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=False: (target, tokenizer, drafter))
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x"])
     monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: [1, 2, 3])
@@ -227,7 +227,7 @@ def test_speed_times_sampling_when_asked_in_every_method(monkeypatch):
     seen = []
     drafter = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
     tokenizer = types.SimpleNamespace(eos_token_id=0)
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
     monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [1, 2, 3])
@@ -253,7 +253,7 @@ def test_speed_times_sampling_when_asked_in_every_method(monkeypatch):
     from helpers import tiny_target
 
     target = tiny_target("llama", seed=1)  # its generation config resolves the call's setting, as generate's would
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=True: (target, tokenizer, drafter))
     speed.main(["--temperature", "0.8", "--top-p", "0.9", "--methods", "plain-graph", "--quick", "--tasks",
                 "mtbench", "--num-prompts", "2", "--device", "cpu"])
     assert graph_calls == [Sampling(True, 0.8, 0, 0.9)] * 3
@@ -282,7 +282,7 @@ def test_speed_reports_the_round_its_steady_state_timed(monkeypatch):
         round_kind=lambda batch: state["kind"],
         round_runners=lambda batch: [types.SimpleNamespace(kind=state["kind"])])
     tokenizer = types.SimpleNamespace(eos_token_id=0)
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=True: (object(), tokenizer, drafter))
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "x"])
     monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [1, 2, 3])
@@ -339,7 +339,7 @@ def test_speed_times_the_model_cards_call_and_splits_the_assisted_loops_round(mo
     target = tiny_target("llama", seed=1)
     drafter = tiny_drafter(target, seed=2).attach(target)
     tokenizer = types.SimpleNamespace(eos_token_id=3)
-    monkeypatch.setattr("dflash2.pairs.load_pair", lambda args, check=True: (target, tokenizer, drafter))
+    monkeypatch.setattr("dflash2.model_args.load_pair", lambda args, check=True: (target, tokenizer, drafter))
     monkeypatch.setattr("dflash2.tasks.task_prompts", lambda task, n, skip=0: ["a", "b"])
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "y"])
     monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [5, 6, 7, 8 + len(prompt)])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash2 import cli
-from dflash2.pairs import DEFAULT_DRAFTER
+from dflash2.model_args import DEFAULT_DRAFTER
 from helpers import tiny_drafter, tiny_target
 from test_generation import _tiny_tokenizer
 
@@ -163,7 +163,7 @@ def test_an_error_is_one_line_without_traceback_in_a_real_process():
 def test_cpu_threads_are_chosen_the_same_way_on_every_run(monkeypatch):
     """A fused round is compiled for one thread count: precompile and generate resolve --threads alike, whatever the
     machine's load when each starts."""
-    from dflash2.pairs import cpu_threads
+    from dflash2.model_args import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)  # torch's default: one per core

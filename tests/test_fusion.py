@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.generation import background, fusion
+from dflash2.generation import background_build, fused_package
 from dflash2.generation.graphs import RoundRunner
 from dflash2.generation.round_core import ROUND_STATE, RoundCore, round_state
 from dflash2.generation.sampling import Sampling
@@ -51,14 +51,14 @@ def test_capture_and_fusion_read_the_one_declared_round_state(tree_nodes):
     for _ in range(2):
         runner()
     assert list(round_state(core)) == list(ROUND_STATE) == list(runner.state)
-    program = fusion.RoundProgram(core)
+    program = fused_package.RoundProgram(core)
     assert program.state_names()[:len(ROUND_STATE)] == list(ROUND_STATE)
-    assert [name for name, *_ in fusion.spec_of(core)["state"]] == list(ROUND_STATE)
+    assert [name for name, *_ in fused_package.spec_of(core)["state"]] == list(ROUND_STATE)
     runner.check_state_in_place()
 
     core.scratch = torch.zeros(2)  # a new buffer nobody declared
-    for reader in (lambda: RoundRunner(core, "eager", capture=False), lambda: fusion.RoundProgram(core),
-                   lambda: fusion.spec_of(core)):
+    for reader in (lambda: RoundRunner(core, "eager", capture=False), lambda: fused_package.RoundProgram(core),
+                   lambda: fused_package.spec_of(core)):
         with pytest.raises(RuntimeError, match="ROUND_STATE"):
             reader()
     del core.scratch
@@ -83,16 +83,16 @@ def test_package_runs_the_rounds_on_the_callers_own_tensors(tmp_path, bucketed):
     ids = torch.randint(4, VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)  # the caches exist: the package can be checked over them
     path = tmp_path / "fused.round"
-    fusion.build_package(fusion.spec_of(core), path)
+    fused_package.build_package(fused_package.spec_of(core), path)
     assert path.stat().st_size < 2 ** 20 * 8  # no weights inside
-    fused = fusion.load_fused_rounds(core, path)
+    fused = fused_package.load_fused_rounds(core, path)
     assert fused is not None and set(fused) == {False, True}
-    tensors = dict(enumerate(fusion.RoundProgram(core).state()))
+    tensors = dict(enumerate(fused_package.RoundProgram(core).state()))
     for settings, eos in ((GREEDY, (2,)), (SAMPLED, (2,)), (SAMPLED, (7, 11))):
         core.set_sampling(settings, eos)
         core.prefill(ids, torch.ones_like(ids), 40, generator=torch.Generator().manual_seed(1))
         eager_round = core.sampled_round if core.do_sample else core.round
-        with fusion.preserved(core):
+        with fused_package.preserved(core):
             for round_index in range(5):
                 core.draw_noise(torch.Generator().manual_seed(round_index))
                 eager_round()
@@ -116,10 +116,10 @@ def test_the_child_refuses_a_spec_whose_state_it_cannot_build(tmp_path):
     core = RoundCore(target, drafter, 1, 64, bucketed_prefill=True)
     ids = torch.randint(4, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     core.prefill(ids, torch.ones_like(ids), 40)
-    spec = fusion.spec_of(core)
+    spec = fused_package.spec_of(core)
     spec["bucketed_prefill"] = False  # as a spec from before the flag was carried
     with pytest.raises(RuntimeError, match="other state tensors"):
-        fusion.build_package(spec, tmp_path / "fused.round")
+        fused_package.build_package(spec, tmp_path / "fused.round")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -127,15 +127,15 @@ def test_the_child_builds_at_the_callers_thread_count(tmp_path):
     """torch's thread count is part of a compiled round's guards: the child compiles at the caller's count (it sets it
     before anything else), and packages built at other counts have other keys."""
     core = prefilled_core(20)
-    spec = fusion.spec_of(core)
+    spec = fused_package.spec_of(core)
     assert spec["threads"] == torch.get_num_threads()
     other = {**spec, "threads": spec["threads"] + 1}
-    assert fusion.package_key(other) != fusion.package_key(spec)
+    assert fused_package.package_key(other) != fused_package.package_key(spec)
     other["bucketed_prefill"] = not spec["bucketed_prefill"]  # refused before any compile (see the test above)
     threads = torch.get_num_threads()
     try:
         with pytest.raises(RuntimeError, match="other state tensors"):
-            fusion.build_package(other, tmp_path / "fused.round")
+            fused_package.build_package(other, tmp_path / "fused.round")
         assert torch.get_num_threads() == threads + 1
     finally:
         torch.set_num_threads(threads)
@@ -168,14 +168,14 @@ def test_a_caller_at_another_thread_count_than_the_childs_default_uses_its_packa
 def test_a_package_that_disagrees_is_refused(tmp_path, monkeypatch):
     core = prefilled_core(20)
     path = tmp_path / "fused.round"
-    fusion.build_package(fusion.spec_of(core), path)
-    for name in fusion.ROUND_ENTRIES.values():  # one eager round now differs from what was compiled: noticed
+    fused_package.build_package(fused_package.spec_of(core), path)
+    for name in fused_package.ROUND_ENTRIES.values():  # one eager round now differs from what was compiled: noticed
         with monkeypatch.context() as patch:
             real_round = getattr(RoundCore, name)
             patch.setattr(RoundCore, name, lambda self, real=real_round: (real(self), self.output_length.add_(1)))
             with pytest.warns(UserWarning, match="disagreed with the eager round"):
-                assert fusion.load_fused_rounds(core, path) is None
-    assert fusion.load_fused_rounds(core, path) is not None
+                assert fused_package.load_fused_rounds(core, path) is None
+    assert fused_package.load_fused_rounds(core, path) is not None
 
 
 def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, monkeypatch):
@@ -340,7 +340,7 @@ def test_an_unwritable_cache_leaves_the_unfused_round_answering(tmp_path, monkey
 
 def test_no_child_starts_without_room_for_its_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    monkeypatch.setattr(background, "free_memory", lambda device: 0)
+    monkeypatch.setattr(background_build, "free_memory", lambda device: 0)
     target, drafter = tiny_pair(16)
     with pytest.warns(UserWarning, match="no room for the build beside the model .* GiB free"):
         runner = background_equals_plain(target, drafter, prompt(5), 16)
@@ -480,13 +480,14 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
     """`agreement` compares one round eager and fused: integer state exactly, floating state by relative error (tight
     in fp32, looser in half precision). A round that flips a token once (a near tie) is followed by another check;
     one that differs every round is refused, naming what differed. The core's state is as before either way."""
-    assert fusion.differs("x", torch.ones(8) * (1 + 1e-2), torch.ones(8)) is not None  # fp32: 1e-2 is too far
-    assert fusion.differs("x", torch.ones(8, dtype=torch.bfloat16) * 1.01, torch.ones(8, dtype=torch.bfloat16)) is None
-    assert fusion.differs("x", -torch.ones(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)) is not None
-    assert "1 values differ" in fusion.differs("t", torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]))
+    assert fused_package.differs("x", torch.ones(8) * (1 + 1e-2), torch.ones(8)) is not None  # fp32: 1e-2 is too far
+    half = torch.ones(8, dtype=torch.bfloat16)
+    assert fused_package.differs("x", half * 1.01, half) is None
+    assert fused_package.differs("x", -half, half) is not None
+    assert "1 values differ" in fused_package.differs("t", torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]))
 
     core = prefilled_core(40)
-    program = fusion.RoundProgram(core)
+    program = fused_package.RoundProgram(core)
     before = [t.clone() for t in program.state()]
     calls = []
 
@@ -498,10 +499,10 @@ def test_the_check_allows_half_precision_rounding_and_one_near_tie_but_not_a_wro
                 core.anchor.add_(1)
         return fused
 
-    assert fusion.agreement(core, program, flips(1)) == [] and len(calls) == 2
+    assert fused_package.agreement(core, program, flips(1)) == [] and len(calls) == 2
     calls.clear()
-    differences = fusion.agreement(core, program, flips(10))
-    assert len(calls) == fusion.CHECK_ROUNDS and differences == ["anchor: 1 values differ"]
+    differences = fused_package.agreement(core, program, flips(10))
+    assert len(calls) == fused_package.CHECK_ROUNDS and differences == ["anchor: 1 values differ"]
     assert all(torch.equal(a, b) for a, b in zip(before, program.state()))
 
 
@@ -511,7 +512,7 @@ def test_the_check_leaves_out_what_rejected_drafts_wrote():
     rejected drafts flip on near ties between other kernels in half precision) agrees with the eager round; one that
     differs in a cache column before `start`, or in the emitted output, does not."""
     core = prefilled_core(40)
-    program = fusion.RoundProgram(core)
+    program = fused_package.RoundProgram(core)
     junk_rows = []
 
     def differs_in_rejected_drafts():
@@ -535,10 +536,11 @@ def test_the_check_leaves_out_what_rejected_drafts_wrote():
                 core.output[0, length - 1] += 1
         return fused
 
-    assert fusion.agreement(core, program, differs_in_rejected_drafts) == []
+    assert fused_package.agreement(core, program, differs_in_rejected_drafts) == []
     assert junk_rows[0] > 0  # the round rejected drafts: their rows were changed
-    assert fusion.agreement(core, program, differs_in("cache"))[0].startswith("target_cache.values[1]: relative error")
-    assert fusion.agreement(core, program, differs_in("output"))[0].startswith("row 0: the fused round emitted")
+    found = fused_package.agreement(core, program, differs_in("cache"))
+    assert found[0].startswith("target_cache.values[1]: relative error")
+    assert fused_package.agreement(core, program, differs_in("output"))[0].startswith("row 0: the fused round emitted")
 
 
 def padded_batch(dtype=torch.bfloat16, tree_nodes: int = 9):
@@ -554,12 +556,12 @@ def padded_batch(dtype=torch.bfloat16, tree_nodes: int = 9):
     return core
 
 
-def near_tie(core, rounds: int = fusion.CHECK_ROUNDS):
+def near_tie(core, rounds: int = fused_package.CHECK_ROUNDS):
     """Tokens (chosen, tied, other): `chosen` is emitted in each of the core's next `rounds` eager rounds, `tied` and
     `other` in none; `tied`'s LM-head row becomes 0.995 of `chosen`'s, so wherever `chosen` is the target's argmax,
     `tied` is the runner-up by 0.5 % of its logit (a near tie)."""
     emitted = []
-    with fusion.preserved(core):
+    with fused_package.preserved(core):
         for _ in range(rounds):
             begin = core.output_length.tolist()
             core.round()
@@ -594,25 +596,25 @@ def test_the_check_accepts_a_row_parted_by_a_near_tie_in_bf16_and_refuses_a_real
     accepts. A fused token far below the eager one (what wrong weights, positions or masks give) is refused, naming
     the row, the tokens and the margin; in fp32 no row may part."""
     core = padded_batch()
-    program = fusion.RoundProgram(core)
+    program = fused_package.RoundProgram(core)
     chosen, tied, other = near_tie(core)
     parted_rows = []
-    real_parting = fusion.parting
+    real_parting = fused_package.parting
 
     def counting(*args):
         parted, unexplained = real_parting(*args)
         parted_rows.append(parted["rows"].tolist())
         return parted, unexplained
 
-    monkeypatch.setattr(fusion, "parting", counting)
-    assert fusion.agreement(core, program, with_rival(core, chosen, tied, 1.01)) == []
+    monkeypatch.setattr(fused_package, "parting", counting)
+    assert fused_package.agreement(core, program, with_rival(core, chosen, tied, 1.01)) == []
     assert any(parted_rows[0]) and not all(parted_rows[0])  # a row parted (the old check refused); another agreed
-    differences = fusion.agreement(core, program, with_rival(core, chosen, other, 2.0))
+    differences = fused_package.agreement(core, program, with_rival(core, chosen, other, 2.0))
     assert differences and differences[0].startswith("row ") and "(no near tie)" in differences[0], differences
 
     fp32 = padded_batch(torch.float32)
     chosen, tied, _ = near_tie(fp32)
-    assert "the fused round emitted" in fusion.agreement(fp32, fusion.RoundProgram(fp32),
+    assert "the fused round emitted" in fused_package.agreement(fp32, fused_package.RoundProgram(fp32),
                                                          with_rival(fp32, chosen, tied, 1.01))[0]
 
 
@@ -621,7 +623,7 @@ def test_the_check_refuses_a_drafter_on_other_weights():
     choice), in other numbers per row: the rows part without a token in dispute. The drafter context it wrote this
     round, before where any row parted, still differs: refused."""
     core = padded_batch()
-    program = fusion.RoundProgram(core)
+    program = fused_package.RoundProgram(core)
     weight = core.drafter.fc.weight
 
     def other_drafter():
@@ -632,7 +634,7 @@ def test_the_check_refuses_a_drafter_on_other_weights():
         with torch.no_grad():
             weight.copy_(saved)
 
-    differences = fusion.agreement(core, program, other_drafter)
+    differences = fused_package.agreement(core, program, other_drafter)
     assert differences and all(d.startswith("draft_cache.") for d in differences), differences
 
 
@@ -641,15 +643,15 @@ def test_the_check_refuses_a_drafter_on_other_weights():
 def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypatch, graphs, compile, background):
     """compile=None (the default) means "background" on one CUDA device (rounds captured: `graphs`) and False
     elsewhere; an explicit choice is kept. (The runner and the child are stand-ins: this checks the choice alone.)"""
-    from dflash2.generation import decode
+    from dflash2.generation import loop
 
     made = []
-    monkeypatch.setattr(decode, "RoundRunner", lambda core, mode, capture: type("Runner", (), dict(
+    monkeypatch.setattr(loop, "RoundRunner", lambda core, mode, capture: type("Runner", (), dict(
         core=core, mode=mode, fusion=None))())
-    monkeypatch.setattr(decode, "BackgroundFusion", lambda runner: made.append(runner) or "building")
+    monkeypatch.setattr(loop, "BackgroundFusion", lambda runner: made.append(runner) or "building")
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
-    runner = decode.round_runner_for(target, drafter, 1, 40, compile, graphs)
+    runner = loop.round_runner_for(target, drafter, 1, 40, compile, graphs)
     assert (runner.fusion == "building") is background and len(made) == int(background)
     assert runner.mode == ("compile" if compile is True else ("graph" if graphs else "eager"))
 
@@ -674,20 +676,20 @@ def test_a_shipped_package_is_found_only_where_every_key_matches(tmp_path, monke
     target, drafter, core = shipped_pair(tmp_path, 24)
     built = tmp_path / "built.round"
     built.write_bytes(b"a package")
-    shipped = fusion.export_package(core, built, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
-    assert fusion.shipped_package(core) == shipped and shipped.read_bytes() == b"a package"
+    shipped = fused_package.export_package(core, built, tmp_path / "drafter" / fused_package.SHIPPED_FOLDER)
+    assert fused_package.shipped_package(core) == shipped and shipped.read_bytes() == b"a package"
     with monkeypatch.context() as patch:
         patch.setattr(torch, "__version__", "0.0.1")
-        assert fusion.shipped_package(core) is None
+        assert fused_package.shipped_package(core) is None
     with monkeypatch.context() as patch:
-        patch.setattr(fusion.platform, "python_version", lambda: "3.0.0")
-        assert fusion.shipped_package(core) is None
+        patch.setattr(fused_package.platform, "python_version", lambda: "3.0.0")
+        assert fused_package.shipped_package(core) is None
     for batch, capacity in ((2, core.capacity), (1, core.capacity * 2)):
-        assert fusion.shipped_package(RoundCore(target, drafter, batch, capacity)) is None
+        assert fused_package.shipped_package(RoundCore(target, drafter, batch, capacity)) is None
     with monkeypatch.context() as patch:
         patch.setattr(drafter.config, "tree_width", drafter.config.tree_width + 1)
-        assert fusion.shipped_package(core) is None
-    assert fusion.shipped_package(core) == shipped
+        assert fused_package.shipped_package(core) is None
+    assert fused_package.shipped_package(core) == shipped
 
 
 def test_a_damaged_shipped_package_falls_back_with_one_warning(tmp_path, monkeypatch):
@@ -697,7 +699,7 @@ def test_a_damaged_shipped_package_falls_back_with_one_warning(tmp_path, monkeyp
     target, drafter, core = shipped_pair(tmp_path, 26)
     damaged = tmp_path / "damaged.round"
     damaged.write_bytes(b"damaged" * 100)
-    shipped = fusion.export_package(core, damaged, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
+    shipped = fused_package.export_package(core, damaged, tmp_path / "drafter" / fused_package.SHIPPED_FOLDER)
     drafter.release()
     with pytest.warns(UserWarning, match="could not be used .* building it again in the background"):
         runner = background_equals_plain(target, drafter, prompt(6), 16)
@@ -716,8 +718,8 @@ def test_a_shipped_package_runs_from_the_first_call_of_a_fresh_cache(tmp_path, m
     and runs it from its first call, with no child; outputs equal plain greedy."""
     target, drafter, core = shipped_pair(tmp_path, 28)
     built = tmp_path / "built.round"
-    fusion.build_package(fusion.spec_of(core), built)
-    fusion.export_package(core, built, tmp_path / "drafter" / fusion.SHIPPED_FOLDER)
+    fused_package.build_package(fused_package.spec_of(core), built)
+    fused_package.export_package(core, built, tmp_path / "drafter" / fused_package.SHIPPED_FOLDER)
     drafter.release()
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "empty-cache"))
     with warnings.catch_warnings():
@@ -731,15 +733,15 @@ def test_a_shipped_cuda_package_serves_any_thread_count(monkeypatch):
     runs at its build's count, `loaded_round`), while a CPU package's key keeps it (inductor's C++ kernels are built
     for it) and the local key always does."""
     core = prefilled_core(20)
-    spec = fusion.spec_of(core)
+    spec = fused_package.spec_of(core)
     other = {**spec, "threads": spec["threads"] + 3}
-    assert fusion.package_key(other, portable=True) != fusion.package_key(spec, portable=True)
+    assert fused_package.package_key(other, portable=True) != fused_package.package_key(spec, portable=True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     on_cuda = {**spec, "device": "cuda"}
     moved = {**on_cuda, "threads": spec["threads"] + 3}
-    assert fusion.package_key(moved, portable=True) == fusion.package_key(on_cuda, portable=True)
-    assert fusion.package_key(moved, portable=True) != fusion.package_key(spec, portable=True)
+    assert fused_package.package_key(moved, portable=True) == fused_package.package_key(on_cuda, portable=True)
+    assert fused_package.package_key(moved, portable=True) != fused_package.package_key(spec, portable=True)
 
 
 @pytest.mark.slow
@@ -750,11 +752,11 @@ def test_a_package_runs_at_its_builds_thread_count(tmp_path):
     path = tmp_path / "fused.round"
     threads = torch.get_num_threads()
     try:
-        fusion.build_package({**fusion.spec_of(core), "threads": 1}, path)
+        fused_package.build_package({**fused_package.spec_of(core), "threads": 1}, path)
         torch.set_num_threads(2)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            fused = fusion.load_fused_rounds(core, path)
+            fused = fused_package.load_fused_rounds(core, path)
         assert fused is not None and torch.get_num_threads() == 2
         fused[False]()
         assert torch.get_num_threads() == 2
@@ -769,11 +771,11 @@ def test_the_fused_tree_round_of_left_padded_rows_equals_the_eager_round_in_fp32
     columns equal to six eager rounds', and its features and caches within fp32 rounding."""
     core = padded_batch(torch.float32)
     path = tmp_path / "fused.round"
-    fusion.build_package(fusion.spec_of(core), path)
-    fused = fusion.load_fused_rounds(core, path)
+    fused_package.build_package(fused_package.spec_of(core), path)
+    fused = fused_package.load_fused_rounds(core, path)
     assert fused is not None
-    tensors = dict(zip(fusion.RoundProgram(core).state_names(), fusion.RoundProgram(core).state()))
-    with fusion.preserved(core):
+    tensors = dict(zip(fused_package.RoundProgram(core).state_names(), fused_package.RoundProgram(core).state()))
+    with fused_package.preserved(core):
         for _ in range(6):
             core.round()
         eager = {name: tensor.clone() for name, tensor in tensors.items()}

@@ -334,7 +334,7 @@ def test_exported_folder_works_in_a_fresh_process(tmp_path):
     _export_target_and_drafter(tmp_path)
     exported = sorted(p.name for p in (tmp_path / "drafter").iterdir())
     for name in ("config.json", "configuration_dflash2.py", "modeling_dflash2.py", "candidate_generator.py",
-                 "round_core.py", "hooks.py", "auto.py", "custom_generate"):
+                 "round_core.py", "dispatch.py", "drafter.py", "custom_generate"):
         assert name in exported
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")

@@ -248,7 +248,7 @@ def test_save_load_round_trip(tmp_path):
                        loaded(input_ids=block, context_hidden_states=features).last_hidden_state)
     assert loaded.config.to_dict()["selector_rank"] == drafter.config.selector_rank
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert saved["auto_map"]["AutoModel"] == "auto.DFlash2Drafter"
+    assert saved["auto_map"]["AutoModel"] == "drafter.DFlash2Drafter"
 
 
 def test_drafter_never_stores_target_parts(tmp_path):

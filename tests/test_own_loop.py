@@ -262,7 +262,7 @@ def test_one_set_of_buffers_serves_every_prompt_length(oracle):
 def stand_in_graphs(monkeypatch):
     """The GPU path's logic on the CPU: a stand-in for CUDA graphs records each capture (a prefill bucket's width, or
     a round's name) and calls the function it would have captured on each replay. Returns (captured, replayed)."""
-    from dflash2.generation import decode, graphs
+    from dflash2.generation import loop, graphs
 
     captured, replayed = [], []
 
@@ -281,7 +281,7 @@ def stand_in_graphs(monkeypatch):
 
     monkeypatch.setattr(graphs, "CapturedGraph", Replay)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(decode, "uses_graphs", lambda target, drafter: True)
+    monkeypatch.setattr(loop, "uses_graphs", lambda target, drafter: True)
     return captured, replayed
 
 

@@ -169,26 +169,26 @@ def test_build_prompts_mixes_the_code_sources(monkeypatch, tmp_path):
 
 def test_the_math_tasks_templates_never_reach_the_training_problems():
     from dflash2.tasks import MATH_CATEGORY, task_categories, task_prompts
-    from dflash2 import problems
+    from dflash2 import word_problems
 
-    assert not set(problems.TRAIN_TEMPLATES) & set(problems.EVAL_TEMPLATES)
+    assert not set(word_problems.TRAIN_TEMPLATES) & set(word_problems.EVAL_TEMPLATES)
     evaluation = task_prompts("math")
-    assert evaluation == problems.eval_word_problems() == task_prompts("math")  # deterministic
+    assert evaluation == word_problems.eval_word_problems() == task_prompts("math")  # deterministic
     assert len(evaluation) == len(set(evaluation)) == 80 and task_prompts("math", 5, skip=10) == evaluation[10:15]
     assert task_categories("math") == [MATH_CATEGORY] * 80
-    eval_frames = {problems.problem_frame(p) for p in evaluation}
-    assert len(eval_frames) > len(problems.EVAL_TEMPLATES)  # every template, in several wordings
-    train = {seed: problems.word_problems(3000, seed) for seed in (0, 1)}
-    frames = {seed: {problems.problem_frame(p) for p in texts} for seed, texts in train.items()}
+    eval_frames = {word_problems.problem_frame(p) for p in evaluation}
+    assert len(eval_frames) > len(word_problems.EVAL_TEMPLATES)  # every template, in several wordings
+    train = {seed: word_problems.word_problems(3000, seed) for seed in (0, 1)}
+    frames = {seed: {word_problems.problem_frame(p) for p in texts} for seed, texts in train.items()}
     # frames tell templates apart: two seeds of the training templates share many, the evaluation set shares none
     assert len(frames[0] & frames[1]) > 200
     assert not (frames[0] | frames[1]) & eval_frames
     assert not set(evaluation) & (set(train[0]) | set(train[1]))
     texts = " ".join(evaluation + train[0]).casefold()
-    assert not [theme for theme in problems.HELD_OUT_THEMES if theme in texts]
+    assert not [theme for theme in word_problems.HELD_OUT_THEMES if theme in texts]
     # and the overlap guard knows the evaluation problems, whatever instruction follows them
     prompts.assert_no_eval_overlap(train[0])
-    leaked = evaluation[3].removesuffix(problems.EVAL_INSTRUCTION) + "Explain."
+    leaked = evaluation[3].removesuffix(word_problems.EVAL_INSTRUCTION) + "Explain."
     with pytest.raises(ValueError, match="math"):
         prompts.assert_no_eval_overlap([leaked])
 
@@ -197,10 +197,10 @@ def test_logic_puzzles_have_exactly_one_answer():
     import itertools
     import re
 
-    from dflash2 import problems
+    from dflash2 import word_problems
 
-    puzzles = problems.logic_puzzles(700, seed=3)
-    assert puzzles == problems.logic_puzzles(700, seed=3) and len(set(puzzles)) == 700
+    puzzles = word_problems.logic_puzzles(700, seed=3)
+    assert puzzles == word_problems.logic_puzzles(700, seed=3) and len(set(puzzles)) == 700
     knights = [p for p in puzzles if p.startswith("On an island")]
     owners = [p for p in puzzles if "each own one of these" in p]
     assert len(knights) >= 90 and len(owners) >= 90

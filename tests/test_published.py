@@ -99,7 +99,7 @@ def with_our_code(folder: Path, target: Path) -> Path:
     """The same folder plus our remote-code files and an auto_map pointing at our classes (trust_remote_code)."""
     shutil.copytree(folder, target)
     config = json.loads((target / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "auto.DFlash2Drafter"}
+    config["auto_map"] = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "drafter.DFlash2Drafter"}
     (target / "config.json").write_text(json.dumps(config, indent=2))
     write_code_files(target)
     return target

@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from dflash2.generation import attached_drafter
-from dflash2.generation.decode import MAX_RUNNERS
+from dflash2.generation.loop import MAX_RUNNERS
 from dflash2.tasks import left_padded
 from helpers import VOCAB, tiny_drafter, tiny_target
 

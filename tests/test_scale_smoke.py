@@ -1,5 +1,5 @@
-"""`python -m dflash2.benchmarks.scale` end to end on the CPU with tiny shapes (`--smoke`): every part runs every default method, and
-the JSON report carries what the GPU runs will be read for."""
+"""`python -m dflash2.benchmarks.scale` end to end on the CPU with tiny shapes (`--smoke`): every part runs every
+default method, and the JSON report carries what the GPU runs will be read for."""
 
 import json
 

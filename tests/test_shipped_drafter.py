@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.generation.export import AUTO_MAP, CUSTOM_GENERATE_FILE, FLAT_CODE_COMMAND, SHIPPED_MODULES, flat_code_files
+from dflash2.generation.export import (AUTO_MAP, CUSTOM_GENERATE_FILE, FLAT_CODE_COMMAND, SHIPPED_MODULES,
+                                       flat_code_files)
 from dflash2.generation.flat_code import drifted_files, main as flat_code_main
 
 from helpers import assert_folders_load_without_dflash2

@@ -1,4 +1,4 @@
-"""Patches of transformers live in generation/transformers_patches.py alone, each listed there, and detach undoes them."""
+"""Patches of transformers live in generation/transformers_patches.py alone, each listed there; detach undoes them."""
 
 import ast
 from pathlib import Path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2.pairs import share
+from dflash2.model_args import share
 
 # config fields two drafters may differ in and still average: bookkeeping of the files, not the model
 IGNORED_CONFIG_FIELDS = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "architectures", "auto_map"}

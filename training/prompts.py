@@ -11,8 +11,8 @@ only decides *what to ask it*. Three offline sources are mixed:
 * ``source-stubs`` - function stubs (signature and docstring) parsed from the stdlib and installed packages
 * ``code-chat``, ``code-review`` - programming requests in many languages, and real functions with a request about
   them (``code_prompts.py``)
-* ``math-word``, ``reasoning`` - math word problems and logic puzzles generated from templates (``problems.py`` at the
-  package's top: the word problems of the ``math`` evaluation task come from other templates there)
+* ``math-word``, ``reasoning`` - math word problems and logic puzzles generated from templates (``word_problems.py``
+  at the package's top: the word problems of the ``math`` evaluation task come from other templates there)
 * ``writing``, ``text-task`` - writing and explanation requests, and passages of text with a request about them:
   summarise, extract, rewrite, question (``text_prompts.py``)
 
@@ -51,7 +51,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dflash2 import problems
+from dflash2 import word_problems
 from dflash2.training import code_prompts, text_prompts
 
 log = logging.getLogger(__name__)
@@ -585,8 +585,8 @@ def eval_overlap_keys() -> list[tuple[str, str]] | None:
         return None
     keys = [("humaneval", normalize_for_match(line)) for line in def_lines or ()]
     keys += [("mt-bench", normalize_for_match(turn)) for turn in first_turns or ()]
-    keys += [("math", normalize_for_match(problem.removesuffix(problems.EVAL_INSTRUCTION)))
-             for problem in problems.eval_word_problems()]
+    keys += [("math", normalize_for_match(problem.removesuffix(word_problems.EVAL_INSTRUCTION)))
+             for problem in word_problems.eval_word_problems()]
     return [(label, needle) for label, needle in keys if needle]
 
 
@@ -720,8 +720,8 @@ def build_prompts(n_chat: int = 6000, n_code: int = 3000, n_math: int = 1500, n_
                       if n_code_chat > 0 else []),
         "code-review": (code_prompts.code_review_candidates(source_roots(), seed, humaneval_entry_points(),
                                                             _SKIPPED_SOURCE_PARTS) if n_code_review > 0 else []),
-        "math-word": problems.word_problems(n_math_word, seed),
-        "reasoning": problems.logic_puzzles(n_reasoning, seed),
+        "math-word": word_problems.word_problems(n_math_word, seed),
+        "reasoning": word_problems.logic_puzzles(n_reasoning, seed),
         "writing": text_prompts.writing_candidates(seed) if n_writing > 0 else [],
         "text-task": (text_prompts.passage_candidates(text_prompts.readme_passages()
                                                       + text_prompts.sharegpt_passages(sharegpt_records()), seed)
@@ -804,8 +804,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-code-review", type=int, default=0,
                         help="real functions' source with a request about them (explain, review, test, port)")
     parser.add_argument("--n-math-word", type=int, default=0,
-                        help="math word problems from templates (problems.py; not the math task's templates)")
-    parser.add_argument("--n-reasoning", type=int, default=0, help="logic puzzles (problems.py)")
+                        help="math word problems from templates (word_problems.py; not the math task's templates)")
+    parser.add_argument("--n-reasoning", type=int, default=0, help="logic puzzles (word_problems.py)")
     parser.add_argument("--n-writing", type=int, default=0,
                         help="writing, explanation, email and role-play requests (training/text_prompts.py)")
     parser.add_argument("--n-text-tasks", type=int, default=0, help="passages (package READMEs, ShareGPT answers) "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2.pairs import positive_int, share
+from dflash2.model_args import positive_int, share
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

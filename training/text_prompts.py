@@ -1,5 +1,5 @@
 """Requests about text and for text, written offline (the target answers them later); logic puzzles and math word
-problems are `dflash2.problems`'.
+problems are `dflash2.word_problems`'.
 
 * ``text-task`` - a passage with a request about it: summarise it, extract from it (as a JSON list, a table), rewrite
   it (formally, for a child, shorter), ask or answer questions about it. The passages are prose paragraphs of the

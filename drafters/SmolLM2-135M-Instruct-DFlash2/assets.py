@@ -95,7 +95,7 @@ def installed_package_folder(package: str) -> Path | None:
 
 
 def packages_dir() -> Path:
-    from .fusion import cache_root
+    from .fused_package import cache_root
 
     return cache_root() / "packages"
 
@@ -181,7 +181,7 @@ def file_sha256(path: Path) -> str:
 
 
 def unwritable_cache(error: OSError) -> FileNotFoundError:
-    from .fusion import cache_root
+    from .fused_package import cache_root
 
     return FileNotFoundError(
         f"dflash2's cache folder {cache_root()} cannot be written ({error.strerror or error}). Set DFLASH2_CACHE to a "

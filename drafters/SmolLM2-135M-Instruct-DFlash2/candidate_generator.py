@@ -6,12 +6,12 @@ append them to the drafter's context cache, denoise one block `[anchor, MASK x (
 path through the top-k candidates. The loop then verifies the block with one target forward.
 
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
-The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy`
-of the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block
-and a token short of the cache at most), and the loop encodes only what follows (`transformers_patches.encode_only_uncached`). A cache the
-drafter did not fill (plain `generate`, another drafter, other tokens) is emptied: the turn encodes the whole
-conversation. A cache whose sliding-window layers dropped keys cannot be cropped: the drafter then skips what it
-lacks.
+The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy` of
+the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block and
+a token short of the cache at most), and the loop encodes only what follows
+(`transformers_patches.encode_only_uncached`). A cache the drafter did not fill (plain `generate`, another drafter,
+other tokens) is emptied: the turn encodes the whole conversation. A cache whose sliding-window layers dropped keys
+cannot be cropped: the drafter then skips what it lacks.
 """
 
 from __future__ import annotations

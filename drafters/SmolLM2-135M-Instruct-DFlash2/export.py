@@ -23,12 +23,13 @@ from pathlib import Path
 
 # The modules a drafter folder ships, in import order (each imports only earlier ones).
 SHIPPED_MODULES = ("configuration_dflash2", "modeling_dflash2", "stats", "sampling", "candidate_generator",
-                   "transformers_patches", "tree", "round_core", "graphs", "fusion", "background", "assets", "decode", "hooks", "export", "auto")
+                   "transformers_patches", "tree", "round_core", "graphs", "fused_package", "background_build",
+                   "assets", "loop", "dispatch", "export", "drafter")
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 AUTO_MAP = {
     "AutoConfig": "configuration_dflash2.DFlash2Config",
-    "AutoModel": "auto.DFlash2Drafter",
-    "AutoModelForCausalLM": "auto.DFlash2SpeculativeLM",
+    "AutoModel": "drafter.DFlash2Drafter",
+    "AutoModelForCausalLM": "drafter.DFlash2SpeculativeLM",
 }
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 MODEL_MODULES = ("configuration_dflash2", "modeling_dflash2")  # one level up in the package, siblings in a folder

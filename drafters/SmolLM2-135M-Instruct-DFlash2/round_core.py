@@ -50,10 +50,10 @@ PREFILL_CHUNK = 2048  # prompt columns per prefill forward: bounds the [chunk, c
 PREFILL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # up to PREFILL_CHUNK
 
 
-# The round's state: every tensor of a `RoundCore`, declared once, in the order a fused round takes them. The captured
-# graphs (graphs.py, `RoundRunner`) and the fused rounds (fusion.py, `RoundProgram`: the state inputs of the compiled
-# signature; background.py: the child's copy) read the core through `round_state`, which refuses a core whose tensors
-# differ from this list: a new buffer is declared here, or no round of it is captured or compiled.
+# The round's state: every tensor of a `RoundCore`, declared once, in the order a fused round takes them. The
+# captured graphs (graphs.py, `RoundRunner`) and the fused rounds (fused_package.py, `RoundProgram`: the state inputs
+# of the compiled signature; background_build.py: the child's copy) read the core through `round_state`, which refuses
+# a core whose tensors differ from this list: a new buffer is declared here, or no round of it is captured or compiled.
 ROUND_STATE = (
     "columns", "offsets", "node_offsets", "mask_row",  # fixed index rows
     "temperature", "top_k", "top_p", "eos",  # the request's settings (`set_sampling`)

@@ -48,7 +48,7 @@ def patch_target(target, drafter, generate, get_candidate_generator) -> None:
     original_methods(target)
     target._get_candidate_generator = get_candidate_generator
     target.generate = generate
-    target.__dict__["_dflash2_drafter"] = drafter  # not nn.Module.__setattr__: the drafter is no submodule of the target
+    target.__dict__["_dflash2_drafter"] = drafter  # not nn.Module.__setattr__: the drafter is no submodule
 
 
 def unpatch_target(target):

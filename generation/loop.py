@@ -1,4 +1,3 @@
-# Generated from generation/decode.py by `python -m dflash2.generation.flat_code`; do not edit.
 """DFlash 2's own decoding loop around the round core: prefill, queue rounds, read the token stream, stop.
 
 `target.generate(..., assistant_model=drafter)` lands here for a batch (left-padded rows, each accepting its own
@@ -17,9 +16,9 @@ import weakref
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .background import BackgroundFusion
+from .background_build import BackgroundFusion
 from .graphs import RoundRunner
-from .modeling_dflash2 import CACHE_NAME
+from ..modeling_dflash2 import CACHE_NAME
 from .round_core import RoundCore, check_tree_nodes, columns_per_round, prefill_width
 from .sampling import Sampling, eos_token_ids
 from .stats import DFlash2Stats, truncate_at_eos
@@ -170,7 +169,8 @@ def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | s
     cores = runners_of(drafter)
     # CUDA: the round captured as a graph of its eager kernels, or of inductor-fused ones with compile=True.
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
-    # compile="background": as with compile=False, until a package compiled ahead of time replaces it (background.py).
+    # compile="background": as with compile=False, until a package compiled ahead of time replaces it
+    # (background_build.py).
     # The default (None): "background" where rounds are captured (one CUDA device), False elsewhere.
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "

@@ -1,4 +1,4 @@
-# Generated from generation/auto.py by `python -m dflash2.generation.flat_code`; do not edit.
+# Generated from generation/drafter.py by `python -m dflash2.generation.flat_code`; do not edit.
 """What the Auto classes load from a drafter folder (the `auto_map` of an exported config).
 
 - `AutoModel` -> `DFlash2Drafter`: the drafter with its speculative-decoding entry points as methods
@@ -18,9 +18,9 @@ import torch
 
 from .assets import TARGET_WHEELS, installed_package_folder, package_folder
 from .configuration_dflash2 import DFlash2Config
-from .decode import release_runners, runners_of
+from .loop import release_runners, runners_of
 from .export import atomic_folder, export_drafter
-from .hooks import attach, detach
+from .dispatch import attach, detach
 from .modeling_dflash2 import DFlash2DraftModel
 
 PYPI_PREFIX = "pypi:"  # target_name_or_path "pypi:<dist>" = the folder of a (never imported) package: resolve_target_location
@@ -46,7 +46,7 @@ class DFlash2Drafter(DFlash2DraftModel):
         return self
 
     def detach(self, target) -> "DFlash2Drafter":
-        """Undo `attach` (`hooks.detach`): the target's own generate comes back and this drafter's buffers and graphs
+        """Undo `attach` (`dispatch.detach`): the target's own generate comes back and this drafter's buffers and graphs
         for it are released."""
         detach(target)
         return self
@@ -269,7 +269,7 @@ def converted_folder(gguf_path: Path, dtype: torch.dtype) -> Path | None:
 
     import transformers
 
-    from .fusion import cache_root
+    from .fused_package import cache_root
 
     stat = gguf_path.stat()
     described = json.dumps([str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),

@@ -1,7 +1,6 @@
-# Generated from generation/background.py by `python -m dflash2.generation.flat_code`; do not edit.
 """The fused rounds' build in the background (`compile="background"`): the child process that builds the package
-(`fusion.py`: what is compiled and how it is checked; one package holds the greedy and the sampled round, which serve
-every sampling setting), and the caller's side, which switches to the package once it is there or stays unfused.
+(`fused_package.py`: what is compiled and how it is checked; one package holds the greedy and the sampled round, which
+serve every sampling setting), and the caller's side, which switches to the package once it is there or stays unfused.
 
 Faults never fail a call: whatever goes wrong (no writable cache, a killed or out-of-memory child, a full disk, a
 package that will not load) leaves the unfused round running and says so in one warning. A later process tries again,
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .fusion import (build_package, cache_dir, copy_atomically, open_fused_rounds, package_key, preserved,
+from .fused_package import (build_package, cache_dir, copy_atomically, open_fused_rounds, package_key, preserved,
                      round_weights, shipped_package, spec_of)
 from .round_core import RoundCore, round_state
 

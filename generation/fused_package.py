@@ -1,4 +1,3 @@
-# Generated from generation/fusion.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Fused rounds without waiting (`compile="background"`, the default on one CUDA device): the rounds compiled ahead of
 time in a child process.
 
@@ -26,7 +25,7 @@ keys all match copies it into its cache and checks it like one it built; any oth
 This file holds what is compiled and how it is checked: a round as a program over the caller's tensors
 (`RoundProgram`), the package, its keys and its build (`spec_of`, `package_key`, `build_package`), shipped packages
 (`shipped_package`, `export_package`), and the check of loaded rounds (`open_fused_rounds`, `agreement`: row by row,
-a row parted by a near tie in half precision allowed, `round_comparison`). `background.py` runs the child and
+a row parted by a near tie in half precision allowed, `round_comparison`). `background_build.py` runs the child and
 decides, in the caller, when to switch or to stay unfused.
 
 Why not AOTInductor: its C++ loader crashed the loading process on a CUDA image (torch 2.11), with and without

@@ -1,9 +1,8 @@
-# Generated from generation/hooks.py by `python -m dflash2.generation.flat_code`; do not edit.
 """Hooking a DFlash 2 drafter into `target.generate`: attach / detach, dispatch between the loops, request checks.
 (The patches of the target themselves, and how detach undoes them: `transformers_patches.py`.)
 
 After `attach(drafter, target)`, `target.generate(ids, assistant_model=drafter, ...)` runs DFlash 2's own loop
-(`decode.py`: fixed buffers, CUDA graphs and the fused round on a GPU) wherever it is exact for the call: a batch, and
+(`loop.py`: fixed buffers, CUDA graphs and the fused round on a GPU) wherever it is exact for the call: a batch, and
 one prompt whose settings it honours (greedy search, temperature, top-k, top-p, EOS ids, max length, streaming, a
 cache it returned). transformers' assisted loop with our candidate generator takes the rest of the one-prompt calls:
 a target spread over several devices, a target the fixed buffers cannot drive, other logits processors and stopping
@@ -19,7 +18,7 @@ import warnings
 import torch
 
 from .candidate_generator import DFlash2CandidateGenerator
-from .decode import LoopCache, check_left_padded, own_loop_generate, release_runners, single_device
+from .loop import LoopCache, check_left_padded, own_loop_generate, release_runners, single_device
 from .stats import DFlash2Stats, truncate_at_eos
 from .transformers_patches import (count_rounds_of, encode_only_uncached, original_methods, patch_target,
                                    unpatch_target)
