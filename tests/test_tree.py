@@ -319,7 +319,7 @@ def test_tree_nodes_from_the_config_and_bad_values():
     with pytest.raises(ValueError, match=r"tree_nodes=8; use 0 .* or 2 \.\. 7"):
         target.generate(ids, assistant_model=drafter, max_new_tokens=4, cache_implementation="static", tree_nodes=8)
     with pytest.raises(ValueError, match="tree verification runs in DFlash 2's own loop"):
-        target.generate(ids, assistant_model=drafter, max_new_tokens=4, tree_nodes=5)
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, tree_nodes=5, loop="transformers")
     with pytest.raises(ValueError, match="needs a DFlash 2 drafter"):
         target.generate(ids, max_new_tokens=4, tree_nodes=5)
     with pytest.raises(ValueError, match="tree_nodes=1"):
