@@ -3,7 +3,7 @@
     from dflash2 import DFlash2Drafter, attach, load_target
 
 Layers, each importing only the ones before it: configuration_dflash2 -> modeling_dflash2 -> generation -> tasks ->
-training, benchmarks -> cli. Names are loaded on first use, so `dflash2 --help` does not import torch.
+training, benchmarks -> serving -> cli. Names are loaded on first use, so `dflash2 --help` does not import torch.
 """
 
 import importlib

@@ -18,8 +18,8 @@ from helpers import assert_folders_load_without_dflash2
 ROOT = Path(__file__).resolve().parents[1]
 # lower number = lower layer; a module may import only modules of its own layer or below
 LAYERS = {"deprecated": 0, "configuration_dflash2": 0, "modeling_dflash2": 1, "generation": 2, "tasks": 3,
-          "model_args": 3, "word_problems": 3, "pairs": 3, "problems": 3, "training": 4, "benchmarks": 4, "serving": 4,
-          "cli": 5, "__init__": 6}
+          "model_args": 3, "word_problems": 3, "pairs": 3, "problems": 3, "training": 4, "benchmarks": 4, "serving": 5,
+          "cli": 6, "__init__": 7}
 
 
 def package_modules() -> dict[str, Path]:

@@ -381,7 +381,7 @@ def test_sigterm_ends_streams_with_an_error_event_waiting_requests_with_503_and_
 
 
 def test_serve_bench_drives_a_server_closed_loop_and_poisson(tiny, tmp_path):
-    from dflash2.benchmarks.serve_bench import main
+    from dflash2.serving.bench import main
 
     server = tiny[0]
     report = main(["--url", f"{server.url}/v1", "--api-key", KEY, "--clients", "1", "3", "--rates", "50",

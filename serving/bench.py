@@ -2,7 +2,7 @@
 Poisson mode. Any such server: `dflash2 serve`, `transformers serve` (with or without --continuous-batching or
 --compile), vLLM.
 
-    python -m dflash2.benchmarks.serve_bench --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct-DFlash2 \\
+    python -m dflash2.serving.bench --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct-DFlash2 \\
         --clients 1 4 8 --requests 64 --max-tokens 256 --out runs/serve/dflash2.json
 
 Closed loop: each of N clients sends its next request when its last one ends, until `--requests` requests have been
@@ -187,13 +187,13 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
 def check_local(url: str) -> str:
     host = urlparse(url).hostname
     if host not in LOCAL_HOSTS:
-        raise SystemExit(f"serve_bench: error: --url {url} is not on this machine; it drives 127.0.0.1 / localhost "
+        raise SystemExit(f"serving.bench: error: --url {url} is not on this machine; it drives 127.0.0.1 / localhost "
                          "servers only.")
     return url.rstrip("/").removesuffix("/v1")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dflash2.benchmarks.serve_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dflash2.serving.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (127.0.0.1 / localhost only)")
     parser.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
@@ -224,7 +224,7 @@ def main(argv=None) -> dict:
     model = args.model or client.models.list().data[0].id
     prompts = bench_prompts(args.requests)
     one_request(client, model, prompts[0], 8, args.temperature)  # warm-up: the server's first call is not timed
-    report = {"command": command_line("dflash2.benchmarks.serve_bench", argv), "url": url, "model": model,
+    report = {"command": command_line("dflash2.serving.bench", argv), "url": url, "model": model,
               "label": args.label, "max_tokens": args.max_tokens, "temperature": args.temperature, "setups": []}
     setups = [("closed", clients) for clients in args.clients] + [("poisson", rate) for rate in args.rates]
     for mode, value in setups:
