@@ -227,6 +227,7 @@ def test_pipeline_with_assistant_model():
     generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
     out = generator("a b c", max_new_tokens=6, do_sample=False)
     assert drafter.last_stats.target_forwards > 0
+    assert drafter.last_stats.loop == "dflash2"  # what the pipeline passes to generate keeps it on the own loop
     detach(target)
     plain = pipeline("text-generation", model=target, tokenizer=tokenizer)("a b c", max_new_tokens=6, do_sample=False)
     assert out[0]["generated_text"] == plain[0]["generated_text"]
