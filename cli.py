@@ -177,7 +177,8 @@ def command_generate(args) -> None:
     parts.append(f"{device}, {str(drafter.dtype).replace('torch.', '')}")
     if device.type == "cpu":
         parts[-1] += f", {torch.get_num_threads()} thread" + ("s" if torch.get_num_threads() > 1 else "")
-    parts[-1] += ", " + ("DFlash 2's own loop" if drafter.last_stats.loop == "dflash2" else "transformers' assisted loop")
+    parts[-1] += ", " + {"dflash2": "DFlash 2's own loop", "transformers": "transformers' assisted loop"}.get(
+        drafter.last_stats.loop, "plain decoding")
     print("[dflash2] " + " | ".join(parts), flush=True)
     eos = target.generation_config.eos_token_id
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}

@@ -19,6 +19,7 @@ import torch
 
 from .candidate_generator import DFlash2CandidateGenerator
 from .loop import LoopCache, check_left_padded, own_loop_generate, release_runners, single_device
+from .sampling import MAX_EOS_TOKENS
 from .stats import DFlash2Stats, truncate_at_eos
 from .transformers_patches import (count_rounds_of, encode_only_uncached, original_methods, patch_target,
                                    unpatch_target)
@@ -76,9 +77,9 @@ def attach(drafter, target, use_by_default: bool = False):
             elif loop == "dflash2" or batch > 1 or (loop is None and kwargs.get("cache_implementation") == "static"):
                 return _own_loop(target, args, kwargs, tree_nodes)
             else:
-                reason = assisted_reason(target, drafter_in_call, args, kwargs, loop)
+                reason, call = assisted_reason(target, drafter_in_call, args, kwargs, loop)
                 if reason is None:  # one prompt whose settings the own loop honours
-                    return _own_loop(target, args, kwargs, tree_nodes)
+                    return _own_loop(target, args, kwargs, tree_nodes, call)
                 if tree_nodes:
                     raise ValueError(
                         f"tree_nodes={tree_nodes}: tree verification runs in DFlash 2's own loop, and this call runs "
@@ -129,10 +130,10 @@ def _assisted_loop(target, original_generate, args, kwargs, earlier_cache, reaso
     return out
 
 
-def _own_loop(target, args, kwargs, tree_nodes=None):
-    """A batch, or one prompt with cache_implementation='static': DFlash 2's own fixed-buffer loop."""
+def _own_loop(target, args, kwargs, tree_nodes=None, call=None):
+    """DFlash 2's own fixed-buffer loop; `call`: the call already split by `_split_generate_call`."""
     cache = kwargs.pop("past_key_values", kwargs.pop("cache", None))
-    drafter, inputs, attention_mask, streamer, compile_flag, config = _split_generate_call(target, args, kwargs)
+    drafter, inputs, attention_mask, streamer, compile_flag, config = call or _split_generate_call(target, args, kwargs)
     return own_loop_generate(target, drafter, inputs, attention_mask, config, streamer=streamer, compile=compile_flag,
                              past_key_values=cache, tree_nodes=tree_nodes)
 
@@ -164,31 +165,35 @@ def check_loop(loop, kwargs) -> None:
                          "assisted loop. Drop one of them.")
 
 
-def assisted_reason(target, drafter, args, kwargs, loop) -> str | None:
-    """Why a one-prompt call runs transformers' assisted loop (None: the own loop takes it)."""
+def assisted_reason(target, drafter, args, kwargs, loop) -> tuple[str | None, tuple | None]:
+    """Why a one-prompt call runs transformers' assisted loop, or (None, the call split for the own loop)."""
     from .round_core import check_target_fits
 
     if loop == "transformers":
-        return "loop='transformers'"
+        return "loop='transformers'", None
     if kwargs.get("speculation_type") is not None:
-        return f"speculation_type={kwargs['speculation_type']!r}"
+        return f"speculation_type={kwargs['speculation_type']!r}", None
     earlier_cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if earlier_cache is not None and not isinstance(earlier_cache, LoopCache):
-        return f"a cache the own loop did not return ({type(earlier_cache).__name__})"
+        return f"a cache the own loop did not return ({type(earlier_cache).__name__})", None
     if not single_device(target, drafter):
-        return "the target is spread over several devices"
+        return "the target is spread over several devices", None
     try:
         check_target_fits(target)
     except ValueError as error:
-        return str(error)
+        return str(error), None
     call = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}  # the own loop takes its own
-    *_, config, unknown = _split_generate_call(target, args, call, strict=False)
+    *split, unknown = _split_generate_call(target, args, call, strict=False)
+    config = split[-1]
     if unknown:
-        return f"arguments the own loop does not take: {sorted(unknown)}"
+        return f"arguments the own loop does not take: {sorted(unknown)}", None
     settings = unsupported_settings(config)
     if settings:
-        return f"settings the own loop does not honour: {settings}"
-    return None
+        return f"settings the own loop does not honour: {settings}", None
+    eos = config.eos_token_id
+    if isinstance(eos, (list, tuple)) and len(set(eos)) > MAX_EOS_TOKENS:
+        return f"{len(set(eos))} EOS ids (the own loop stops at up to {MAX_EOS_TOKENS})", None
+    return None, tuple(split)
 
 
 def _split_generate_call(target, args, kwargs, strict: bool = True):

@@ -10,8 +10,8 @@ class DFlash2Stats:
     """What one `generate` call did. `acceptance_length` (tau) = completion tokens / target forwards (prefill included).
 
     For a batch every count is per row (`rows` sequences): tau is then the mean tokens a row gains per verification.
-    `loop` names the loop that ran the call: "dflash2" (DFlash 2's own loop) or "transformers" (transformers'
-    assisted loop), with `loop_reason` saying why a call went to transformers' loop.
+    `loop` names the loop that ran the call: "dflash2" (DFlash 2's own loop), "transformers" (transformers'
+    assisted loop; `loop_reason` says why) or "plain" (a batch above the speculative limit, decoded without drafts).
     """
 
     block_size: int
@@ -29,7 +29,8 @@ class DFlash2Stats:
     @classmethod
     def of_plain_decoding(cls, block_size: int, rows: int, completion_tokens: int) -> "DFlash2Stats":
         """A call that decoded without the drafter: one target forward per token of each row (tau 1), no drafts."""
-        return cls(block_size, rows=rows, target_forwards=completion_tokens, completion_tokens=completion_tokens)
+        return cls(block_size, rows=rows, target_forwards=completion_tokens, completion_tokens=completion_tokens,
+                   loop="plain")
 
     @property
     def acceptance_length(self) -> float:

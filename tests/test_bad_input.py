@@ -193,7 +193,7 @@ def test_more_eos_ids_than_the_own_loop_holds_are_refused(pair, batch):
                         cache_implementation="static", eos_token_id=list(range(4, 21)))
     assert str(error.value) == (
         "eos_token_id lists 17 distinct ids; DFlash 2's own loop stops at up to 16. Pass the ids that end a turn only, "
-        "or use one prompt without cache_implementation='static' for transformers' assisted loop.")
+        "or pass one prompt with loop='transformers' for transformers' assisted loop.")
     assert drafter.round_runners() == runners
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -232,3 +232,4 @@ def test_last_stats_describe_a_batch_decoded_without_the_drafter():
     assert stats.completion_tokens == tokens
     assert stats.target_forwards == tokens and stats.acceptance_length == 1.0
     assert stats.drafting_rounds == tokens - 3 and sum(stats.accepted_per_position) == 0
+    assert stats.loop == "plain"

@@ -59,6 +59,7 @@ FALLBACKS = {
                              "stopping_criteria"),
     "loop='transformers'": (dict(loop="transformers"), "loop='transformers'"),
     "speculation_type='dflash'": (dict(speculation_type="dflash"), "speculation_type='dflash'"),
+    "more EOS ids than the own loop stops at": (dict(eos_token_id=list(range(20, 40))), "20 EOS ids"),
 }
 
 

@@ -291,7 +291,7 @@ FRESH_PROCESS = textwrap.dedent("""
     # (a) AutoModel + attach
     drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True)
     assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
-    attached_drafter = importlib.import_module(type(drafter).__module__.rsplit(".", 1)[0] + ".hooks").attached_drafter
+    attached_drafter = importlib.import_module(type(drafter).__module__.rsplit(".", 1)[0] + ".dispatch").attached_drafter
     drafter.attach(target)
     out = target.generate(ids, max_new_tokens=15, do_sample=False, assistant_model=drafter)
     assert torch.equal(out, reference), (out, reference)

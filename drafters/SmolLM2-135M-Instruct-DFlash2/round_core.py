@@ -665,13 +665,13 @@ def check_target_fits(target) -> None:
     if implementation not in (None, "sdpa", "eager"):
         raise ValueError(f"DFlash 2's own loops pass the target explicit boolean masks, which attn_implementation="
                          f"'{implementation}' does not take. Load the target with attn_implementation='sdpa', or "
-                         "use transformers' assisted loop (batch 1, no cache_implementation='static').")
+                         "use transformers' assisted loop (one prompt, loop='transformers').")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
     if unsupported:
         if assisted_loop_rolls_state_back():
             advice = ("transformers' assisted loop (this version rolls such state back) takes it: pass "
-                      "assistant_model at batch 1 without cache_implementation='static', or decode without it.")
+                      "one prompt with loop='transformers', or decode without assistant_model.")
         else:
             advice = ("this version of transformers' assisted generation refuses such stateful models too: decode "
                       "this one without assistant_model.")

@@ -43,8 +43,8 @@ def padded_eos_ids(ids) -> list[int]:
     distinct = sorted({int(i) for i in ids})
     if len(distinct) > MAX_EOS_TOKENS:
         raise ValueError(f"eos_token_id lists {len(distinct)} distinct ids; DFlash 2's own loop stops at up to "
-                         f"{MAX_EOS_TOKENS}. Pass the ids that end a turn only, or use one prompt without "
-                         "cache_implementation='static' for transformers' assisted loop.")
+                         f"{MAX_EOS_TOKENS}. Pass the ids that end a turn only, or pass one prompt with "
+                         "loop='transformers' for transformers' assisted loop.")
     return distinct + [-1] * (MAX_EOS_TOKENS - len(distinct))
 
 
