@@ -23,28 +23,6 @@ from dflash2.model_args import (UsageError, add_model_arguments, check_device, c
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 GENERATE_MAX_NEW_TOKENS = 512  # the shipped pair answers the default prompt in about 190 tokens, then stops at EOS
 
-# Help for the options `dflash2.training.recipe.add_arguments` defines without one (keyed by option dest).
-TRAIN_HELP = {
-    "num_prompts": "answer only the first N prompts of --prompts (default: all of them)",
-    "max_new_tokens": "most tokens per self-distilled answer",
-    "gen_batch_size": "prompts answered per batch while self-distilling",
-    "dflash_version": "2: convolutions and the candidate selector (DFlash 2); 1: per-position choice (DFlash 1)",
-    "layers": "decoder layers of the drafter",
-    "block_size": "tokens per drafted block: the anchor and block_size - 1 drafts",
-    "selector_rank": "rank of the selector's bilinear pair scores",
-    "selector_top_k": "candidates per block position that the selector walks through",
-    "num_taps": "target layers whose hidden states the drafter reads (spread over the target's depth)",
-    "steps": "training steps (the schedule anneals over them; --time-budget may stop earlier)",
-    "batch_size": "sequences per training step",
-    "anchors": "random anchors, each with its own block, per training sequence",
-    "max_length": "tokens per training sequence (longer ones are cut)",
-    "lr": "peak learning rate (warm-up, then cosine decay)",
-    "seed": "seed of the data shuffle, the initialisation and the anchors",
-    "device": "where to train (default: cuda when present, else cpu)",
-    "save_dtype": "dtype of the exported drafter's weights",
-    "no_resume": "start over instead of resuming from the checkpoint in --out",
-}
-
 
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, "(required)" or "(default: off)" for flags."""
@@ -463,9 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a drafter for a target (self-distillation)",
         description="Self-distil the target on --prompts, train a drafter on the answers and export it to "
                     "<out>/drafter."))
-    for action in train._actions:
-        if not action.help and action.dest in TRAIN_HELP:
-            action.help = TRAIN_HELP[action.dest]
     train.set_defaults(run=command_train)
     return parser
 

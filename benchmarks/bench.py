@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from dflash2.benchmarks.common import round_kind, settle
+from dflash2.benchmarks.common import round_kind, settle, wall_timed
 from dflash2.model_args import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
 
@@ -77,19 +76,10 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_generate(target, ids, kwargs, device):
     """One generate call: output, wall seconds (device synchronised), target forwards."""
-    synchronize(device)
     with ForwardCounter(target) as counter:
-        started = time.perf_counter()
-        out = target.generate(ids, **kwargs)
-        synchronize(device)
-        seconds = time.perf_counter() - started
+        out, seconds = wall_timed(lambda: target.generate(ids, **kwargs), device)
     return out, seconds, counter.count
 
 

@@ -1,5 +1,5 @@
 """What the benchmark scripts share beyond the model arguments and the pair (`dflash2.model_args`): their reports, and
-waiting for the fused round so that what they time is the loop a user has."""
+timing a call as a user waits for it, and waiting for the fused round so that what they time is the loop a user has."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 
 def write_report(report: dict, out) -> None:
@@ -19,6 +21,22 @@ def write_report(report: dict, out) -> None:
 def command_line(module: str, argv) -> str:
     """How this benchmark was called, for its report."""
     return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def synchronize(*devices) -> None:
+    """Wait for the work queued on every CUDA device among `devices` (a CPU runs nothing ahead)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def wall_timed(function, *devices):
+    """`function()` and its wall seconds, `devices` synchronised before and after: the time a user waits for it."""
+    synchronize(*devices)
+    started = time.perf_counter()
+    out = function()
+    synchronize(*devices)
+    return out, time.perf_counter() - started
 
 
 def round_kind(drafter, batch: int) -> str | None:

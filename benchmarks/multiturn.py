@@ -25,10 +25,10 @@ import argparse
 import copy
 import json
 import statistics
-import time
 
 import torch
 
+from dflash2.benchmarks.common import wall_timed
 from dflash2.modeling_dflash2 import CACHE_NAME
 
 FOLLOW_UP = "Thank you. Now summarise our whole conversation in three sentences."
@@ -104,11 +104,7 @@ def call(target, ids, device, **kwargs):
     handle = target.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        started = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        seconds = time.perf_counter() - started
+        out, seconds = wall_timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs), device)
     finally:
         handle.remove()
     return out, seconds, widths

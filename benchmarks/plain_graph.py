@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from dflash2.benchmarks.common import wall_timed
 from dflash2.generation.loop import capacity_for as own_loop_capacity
 from dflash2.generation.sampling import Sampling, first_token, is_any_of, row_warped_logits
 from dflash2.modeling_dflash2 import sample_gumbel
@@ -211,14 +212,8 @@ def timed_plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: i
                                 sampling: Sampling | None = None):
     """`plain_graph_generate` timed as a user waits for it: (output [b, P + new], wall seconds, the device synchronised
     before and after)."""
-    device = input_ids.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    out = plain_graph_generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, compile, sampling)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - started
+    return wall_timed(lambda: plain_graph_generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id,
+                                                   compile, sampling), input_ids.device)
 
 
 def forget_plain_graph_loops(model) -> None:
@@ -250,24 +245,12 @@ def device_ms(fn, device, replays: int = 50, repeats: int = 3) -> float:
 
 
 @torch.no_grad()
-def time_forward(model, tokens: int, context: int, replays: int = 50, capacity: int | None = None,
-                 compile: bool = False) -> float:
-    """Milliseconds of one forward of `tokens` new tokens (and their argmax) after `context` cached ones, in a static
-    cache of `capacity` columns (default: the plain loop's for context + tokens): 1 token is a plain decoding step,
-    16 a 16-token verify forward. `compile`: fused by inductor first, like the plain loop's `compile=True` step.
-    Captured as a CUDA graph and replayed on one CUDA device, plain calls elsewhere."""
-    from dflash2.generation.graphs import CapturedGraph
-
-    step = forward_fn(model, tokens, context, capacity, compile)
-    fn = CapturedGraph(step) if single_cuda_device(model) else step
-    return device_ms(fn, model.get_output_embeddings().weight.device, replays)
-
-
-@torch.no_grad()
 def forward_fn(model, tokens: int, context: int, capacity: int | None = None, compile: bool = False):
     """A function of no arguments: one forward of `tokens` new tokens (and their argmax) after `context` cached ones
-    in a static cache of `capacity` columns (`time_forward`). Each call ends by moving the cache's write columns back by
-    `tokens` (one small kernel), so every call writes and reads the same columns."""
+    in a static cache of `capacity` columns (default: the plain loop's for context + tokens): 1 token is a plain
+    decoding step, 16 a 16-token verify forward; `compile`: fused by inductor first, like the plain loop's
+    `compile=True` step. Each call ends by moving the cache's write columns back by `tokens` (one small kernel), so
+    every call writes and reads the same columns."""
     from transformers import StaticCache
 
     from dflash2.modeling_dflash2 import cache_keyword

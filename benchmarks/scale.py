@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from dflash2.benchmarks.common import wall_timed
+
 PUBLISHED_TAU = (4.0, 5.0, 6.5)
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -165,12 +167,6 @@ def present(devices) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def synchronize(devices) -> None:
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
 def reset_peaks(devices) -> None:
     for device in devices:
         if device.type == "cuda":
@@ -191,18 +187,12 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
 
 def generate(target, ids, new_tokens: int, devices, **kwargs):
     """One greedy generate call of exactly `new_tokens` tokens (no EOS): output and wall seconds."""
-    synchronize(devices)
-    started = time.perf_counter()
     if kwargs.pop("plain_graph", False):  # the plain CUDA-graph loop (rows of one length: no mask)
         from dflash2.benchmarks.plain_graph import plain_graph_generate
 
-        out = plain_graph_generate(target, ids, new_tokens)
-        synchronize(devices)
-        return out, time.perf_counter() - started
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, **kwargs)
-    synchronize(devices)
-    return out, time.perf_counter() - started
+        return wall_timed(lambda: plain_graph_generate(target, ids, new_tokens), *devices)
+    return wall_timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                              do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs), *devices)
 
 
 def own_loop_state(drafter) -> dict:

@@ -6,13 +6,11 @@ Reports, in one process on one machine:
 - cold start: the wall time of the first call of `--first` (compile or capture included), then of the other method;
 - a first pass over the prompts (what the first minutes look like; `kind` says which round ran each call);
 - the steady state: tokens/s, tau, speedup, per-prompt median and max (`--compile`: DFlash 2's inductor-fused round);
-- `--sweep N`: N prompts of N distinct token lengths, fixed new-token count (EOS ignored), at batch 1 and batch 8:
-  slowest over median per-prompt time (a recompile or a capture would show as a stall);
 - `settings`: a new temperature / top-k / top-p's first call against its second (ms per round; no core, graph or
   compile should be built for it);
-- `--batch-sizes`: throughput of plain batched `generate` (static cache) and DFlash 2's batched loop;
-- the round's device time (back-to-back graph replays) against its wall time inside a generate call, and against
-  the target's own one-token step and 16-token forward, captured the same way (`plain_graph.time_forward`).
+- `assisted`: where a round of transformers' assisted loop spends its time.
+Batched throughput is `dflash2 bench --batch-sizes`'s; where a round's time goes, `python -m
+dflash2.benchmarks.round_profile`'s.
 Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
 verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `dflash2-card` (the model card's call:
 one prompt, default kwargs, no `cache_implementation`), `dflash2-assisted` (transformers' assisted loop,
@@ -22,7 +20,7 @@ static cache) and `plain-graph`, the expert baseline: a plain loop with the step
 first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
 tau and tokens/s over the path's.
 Greedy by default; `--temperature T` (and `--top-p`, `--top-k`: no top-k cut unless given) samples in every timed call
-but the sweep's, `plain-graph` too (its step samples at the same settings).
+but the settings section's, `plain-graph` too (its step samples at the same settings).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
 that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
 methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
@@ -39,27 +37,14 @@ import time
 from pathlib import Path
 
 PROCESS_STARTED = time.perf_counter()
-BATCH_REPEATS = 3  # timed calls per batch size and method, after two warm-up calls (the median is reported)
 
 import torch  # noqa: E402
 
-from dflash2.benchmarks.common import round_kind, settle  # noqa: E402
-from dflash2.tasks import left_padded  # noqa: E402
+from dflash2.benchmarks.common import round_kind, settle, synchronize, wall_timed, write_report  # noqa: E402
 
 
 def timed(target, ids, device, **kwargs):
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    started = time.perf_counter()
-    out = target.generate(ids, **kwargs)
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    return out, time.perf_counter() - started
-
-
-def new_tokens(new: torch.Tensor, eos: int) -> int:
-    """Tokens of each row up to and including its first EOS (plain and ours pad after it)."""
-    is_eos = (new == eos).long()
-    ended = is_eos.cumsum(-1) - is_eos > 0  # positions after the first EOS
-    return int((~ended).sum())
+    return wall_timed(lambda: target.generate(ids, **kwargs), device)
 
 
 def summary(times, tokens):
@@ -100,11 +85,7 @@ def main(argv=None):
                         help="methods to run in this process (one per process keeps transformers' cudagraph-tree "
                              "compile of plain decoding and DFlash 2's captured graphs apart; see docs/benchmarks.md)")
     parser.add_argument("--quick", action="store_true", help="cold starts and the first pass only")
-    parser.add_argument("--sweep", type=int, default=30, help="prompts of distinct lengths for the stall check (0: "
-                        "skip)")
-    parser.add_argument("--sweep-tokens", type=int, default=128, help="new tokens per sweep call (EOS ignored)")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16])
-    parser.add_argument("--sections", default="cold,steady,round,settings,sweep,batches",
+    parser.add_argument("--sections", default="cold,steady,settings",
                         help="comma-separated parts to run (cold = cold start and first pass; settings = a new "
                              "sampling setting's first call against its second; assisted = where a round of "
                              "transformers' assisted loop spends its time)")
@@ -129,8 +110,8 @@ def main(argv=None):
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
     categories = {task: task_categories(task, args.num_prompts, skip=skips[task]) for task in tasks}
-    # --temperature / --top-p: every timed call samples so, but for the sweep (greedy, a stall check) and the settings
-    # section (which brings its own settings)
+    # --temperature / --top-p: every timed call samples so, but for the settings section (which brings its own
+    # settings)
     sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     common = dict(pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
@@ -187,12 +168,10 @@ def main(argv=None):
     results["first_pass"] = first_pass
     results["first_pass_tokens_per_s"] = first_pass_rates(first_pass)
     print("cold start:", json.dumps(results["cold_start"]), flush=True)
-    save(results, args.out)
-    runner = None
+    write_report(results, args.out)
     if "dflash2" in selected:
         call("dflash2", encoded[tasks[0]][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
-        runner = drafter.round_runners(batch=1)[-1]
-        results["round_kind"] = runner.kind
+        results["round_kind"] = drafter.round_runners(batch=1)[-1].kind
     if args.quick:
         return finish(results, args.out)
 
@@ -239,25 +218,15 @@ def main(argv=None):
                  for m, e in entry.items()}
         print(task, json.dumps(shown), flush=True)
     results["steady"] = steady
-    save(results, args.out)
+    write_report(results, args.out)
 
-    # ---- the round's device time against its wall time (batch 1, one prompt, EOS ignored)
-    if "round" in sections and runner is not None:
-        measure_round(results, call, encoded, drafter, device)
-        save(results, args.out)
     if "assisted" in sections:
         results["assisted_round_split"] = assisted_round_split(call, encoded, target, device)
         print("assisted loop, per round:", json.dumps(results["assisted_round_split"]), flush=True)
-        save(results, args.out)
-    if "settings" in sections and runner is not None:
+        write_report(results, args.out)
+    if "settings" in sections and "dflash2" in selected:
         results["settings_change"] = settings_change(call, encoded, drafter)
-        save(results, args.out)
-    if "sweep" in sections and args.sweep:
-        results["sweep"] = sweep(args, encoded, tokenizer, target, device, methods, pad, selected)
-        save(results, args.out)
-    if "batches" in sections and args.batch_sizes:
-        results["batches"] = batches(args, encoded, target, drafter, device, methods, {**common, **sampling}, pad,
-                                     selected)
+        write_report(results, args.out)
     return finish(results, args.out)
 
 
@@ -280,14 +249,13 @@ def assisted_round_split(call, encoded, target, device) -> dict:
     from dflash2.generation import DFlash2CandidateGenerator
 
     spent = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed_part(part, function):
         def wrapper(*args, **kwargs):
-            sync()
+            synchronize(device)
             started = time.perf_counter()
             out = function(*args, **kwargs)
-            sync()
+            synchronize(device)
             spent[part if part != "forward" else ("verify" if forwards[0] else "prefill")] += (
                 time.perf_counter() - started)
             return out
@@ -404,34 +372,6 @@ def warm_up(call, encoded, methods, block_size: int, max_new_tokens: int) -> int
     return len(shapes)
 
 
-def measure_round(results, call, encoded, drafter, device):
-    ids = next(iter(encoded.values()))[0]  # the first task's first prompt
-    call("dflash2", ids, eos_token_id=None, max_new_tokens=2)  # the batch-1 runner (it serves every EOS set)
-    waited = settle(drafter, lambda: call("dflash2", ids, eos_token_id=None, max_new_tokens=2))
-    runner = drafter.round_runners(batch=1)[-1]
-    _, total, tokens, stats = call("dflash2", ids, eos_token_id=None)
-    rounds_full = stats.target_forwards - 1
-    _, head, _, stats2 = call("dflash2", ids, eos_token_id=None, max_new_tokens=2)
-    rounds_head = stats2.target_forwards - 1
-    core = runner.core
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    for _ in range(5):
-        runner()
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    started = time.perf_counter()
-    for _ in range(50):
-        runner()
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
-    replay = (time.perf_counter() - started) / 50
-    wall = (total - head) / max(rounds_full - rounds_head, 1)
-    results["round"] = {"kind": runner.kind, "replay_ms": round(replay * 1e3, 3), "wall_ms": round(wall * 1e3, 3),
-                        "wall_over_replay": round(wall / replay, 3), "capacity": core.capacity,
-                        "tau": round(stats.acceptance_length, 3), **({"waited_for_package_s": waited} if waited else {})}
-    results["round"].update(round_against_target_forwards(core.target, ids.shape[1], replay * 1e3,
-                                                          compile=runner.kind == "graph (fused)"))
-    print("round:", json.dumps(results["round"]), flush=True)
-
-
 SAMPLING_SETTINGS = ({"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9},
                      {"do_sample": True, "temperature": 1.0, "top_k": 50}, {"do_sample": True, "temperature": 0.3})
 
@@ -459,95 +399,6 @@ def settings_change(call, encoded, drafter) -> dict:
     return {"prompt_tokens": ids.shape[1], "runners_before": before, "runners_after": after, "calls": rows}
 
 
-def round_against_target_forwards(target, context: int, round_ms: float, compile: bool = False) -> dict:
-    """The target's one-token step and 16-token forward after `context` tokens, captured and replayed like the round
-    (`plain_graph.time_forward`; `compile`: fused by inductor first, as a fused round is), and the round's replay time
-    over each."""
-    from dflash2.benchmarks.plain_graph import time_forward
-
-    step, verify = time_forward(target, 1, context, compile=compile), time_forward(target, 16, context, compile=compile)
-    return {"target_forwards": "fused" if compile else "eager kernels",
-            "target_step_ms": round(step, 3), "target_forward16_ms": round(verify, 3),
-            "round_over_forward16": round(round_ms / verify, 3), "round_over_step": round(round_ms / step, 3)}
-
-
-def sweep(args, encoded, tokenizer, target, device, methods, pad, selected=("plain", "dflash2")):
-    """Prompts of distinct token lengths, a fixed number of new tokens (EOS ignored), batch 1 and 8."""
-    from dflash2.tasks import chat_prompt_ids, task_prompts
-
-    pool = [ids for items in encoded.values() for ids in items]
-    pool += [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device)
-             for task in ("humaneval", "mtbench") for p in task_prompts(task, 40, skip=60 if task == "humaneval"
-                                                                          else 0)]
-    by_length = {}
-    for ids in pool:
-        by_length.setdefault(ids.shape[1], ids)
-    lengths = sorted(by_length)[: args.sweep]
-    # one call per batch size and method first, at a length outside the sweep (one token shorter than its shortest
-    # prompt): the first call of a batch size builds its buffers (and compiles or captures), which is the cold start
-    # reported above, not a stall caused by a new prompt length
-    warm = by_length[lengths[0]][0, 1:].tolist()
-    sweep_results = {"warm_up_length": len(warm)}
-    for batch in (1, 8):
-        times = {m: [] for m in ("plain", "dflash2") if m in selected}
-        ids, mask = left_padded([warm] * batch, pad)
-        for method in times:
-            def warm_up():
-                timed(target, ids.to(device), device, attention_mask=mask.to(device), do_sample=False,
-                      pad_token_id=pad, max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
-            warm_up()
-            if method == "dflash2":
-                sweep_results[f"batch{batch}_waited_for_package_s"] = settle(methods[method]["assistant_model"],
-                                                                            warm_up)
-        for i, length in enumerate(lengths):
-            rows = [by_length[lengths[(i + j) % len(lengths)]][0].tolist() for j in range(batch)]
-            ids, mask = left_padded(rows, pad)
-            ids, mask = ids.to(device), mask.to(device)
-            for method in times:
-                _, seconds = timed(target, ids, device, attention_mask=mask, do_sample=False, pad_token_id=pad,
-                                   max_new_tokens=args.sweep_tokens, eos_token_id=None, **methods[method])
-                times[method].append(seconds)
-        sweep_results[f"batch{batch}"] = {m: {**summary(t, len(t) * batch * args.sweep_tokens),
-                                              "per_prompt_s": [round(x, 4) for x in t]} for m, t in times.items()}
-        sweep_results[f"batch{batch}"]["distinct_widths"] = len(lengths)
-        print(f"sweep batch {batch}:", json.dumps(sweep_results[f"batch{batch}"]), flush=True)
-    return sweep_results
-
-
-def batches(args, encoded, target, drafter, device, methods, common, pad, selected=("dflash2", "plain")):
-    """Throughput of plain batched generate (static cache) and DFlash 2's batched loop; natural ends."""
-    drafter.config.max_speculative_batch_size = max(args.batch_sizes)  # measure beyond the default limit too
-    pool = [ids[0].tolist() for items in encoded.values() for ids in items]
-    table = {}
-    for batch in args.batch_sizes:
-        rows = (pool * ((batch // len(pool)) + 1))[:batch]
-        ids, mask = left_padded(rows, pad)
-        ids, mask = ids.to(device), mask.to(device)
-        entry = {}
-        for method in [m for m in ("dflash2", "plain") if m in selected]:
-            kwargs = dict(attention_mask=mask, **common, **methods[method])
-            # warm up with the very call that is timed: a static cache sized for fewer new tokens is another shape,
-            # and plain generate would compile again inside the timed call
-            for _ in range(2):
-                target.generate(ids, **kwargs)  # compile / capture for this batch size and cache length
-            waited = settle(drafter, lambda: target.generate(ids, **kwargs)) if (
-                method == "dflash2") else 0.0  # a package building for this batch bucket: wait, then switch
-            runs = [timed(target, ids, device, **kwargs) for _ in range(BATCH_REPEATS)]
-            out, seconds = runs[0][0], statistics.median(s for _, s in runs)
-            tokens = new_tokens(out[:, ids.shape[1]:], pad)
-            entry[method] = {"s": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                             "per_call_s": [round(s, 4) for _, s in runs]}
-            if method == "dflash2":
-                entry[method]["tau"] = round(drafter.last_stats.acceptance_length, 3)
-                entry[method]["round"] = round_kind(drafter, 1 << (ids.shape[0] - 1).bit_length())
-                entry[method].update({"waited_for_package_s": waited} if waited else {})
-        if len(entry) == 2:
-            entry["speedup"] = round(entry["dflash2"]["tokens_per_s"] / entry["plain"]["tokens_per_s"], 3)
-        table[str(batch)] = entry
-        print(f"batch {batch}:", json.dumps(entry), flush=True)
-    return table
-
-
 def merge(ours: dict, plain: dict) -> dict:
     """One report from a `--methods dflash2` (or `dflash2,plain-graph`) process and a `--methods plain` process over
     the same prompts."""
@@ -558,8 +409,7 @@ def merge(ours: dict, plain: dict) -> dict:
               "cold_start": {**ours.get("cold_start", {}), **{k: v for k, v in plain.get("cold_start", {}).items()
                                                               if k != "order"}},
               "round_kind": ours.get("round_kind"), "steady_round_kind": ours.get("steady_round_kind"),
-              "round": ours.get("round"), "steady": {}, "sweep": {},
-              "batches": {}}
+              "steady": {}}
     greedy = not any(report["settings"].get("sampling", {}).get("do_sample") for report in (ours, plain))
     for task, entry in ours.get("steady", {}).items():
         if task not in plain.get("steady", {}):
@@ -574,27 +424,11 @@ def merge(ours: dict, plain: dict) -> dict:
             merged["steady"][task]["plain-graph"] = strip(entry["plain-graph"])
             merged["steady"][task].update(against_plain_graph({"dflash2": a, "plain": b,
                                                                "plain-graph": entry["plain-graph"]}, greedy))
-    for key, entry in ours.get("sweep", {}).items():
-        if isinstance(entry, dict) and key in plain.get("sweep", {}):
-            a, b = entry["dflash2"], plain["sweep"][key]["plain"]
-            merged["sweep"][key] = {"dflash2": a, "plain": b,
-                                    "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
-    for batch, entry in ours.get("batches", {}).items():
-        if batch in plain.get("batches", {}):
-            a, b = entry["dflash2"], plain["batches"][batch]["plain"]
-            merged["batches"][batch] = {"dflash2": a, "plain": b,
-                                        "speedup": round(a["tokens_per_s"] / b["tokens_per_s"], 3)}
     return merged
 
 
-def save(results, out):
-    from dflash2.benchmarks.common import write_report
-
-    write_report(results, out)
-
-
 def finish(results, out):
-    save(results, out)
+    write_report(results, out)
     print(json.dumps(results, indent=1))
     return results
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dflash2.benchmarks.plain_graph import PlainGraphLoop, plain_graph_generate, time_forward
+from dflash2.benchmarks.plain_graph import PlainGraphLoop, device_ms, forward_fn, plain_graph_generate
 from dflash2.generation.sampling import Sampling
 from helpers import VOCAB, assert_follows, exact_distribution_of_step, sampling_case, tiny_target
 
@@ -113,17 +113,15 @@ def test_a_call_samples_as_generate_resolves_it():
     assert target.generation_config.to_dict() == before  # the model's own config is not changed
 
 
-def test_time_forward_replays_the_same_columns():
+def test_a_timed_forward_replays_the_same_columns():
     target = tiny_target("qwen3", seed=6)
     for tokens in (1, 16):
-        assert time_forward(target, tokens, context=12, replays=3) > 0
+        assert device_ms(forward_fn(target, tokens, context=12), target.device, replays=3) > 0
 
 
 def test_the_fused_forward_computes_what_the_plain_one_does():
     """forward_fn(compile=True) -- the forward a fused round is compared with -- runs through inductor and picks the
     same tokens as the uncompiled forward, call after call."""
-    from dflash2.benchmarks.plain_graph import forward_fn
-
     target = tiny_target("llama", seed=6, layers=2)
     chosen = {}
     for compile in (False, True):
@@ -151,7 +149,6 @@ def test_captured_loop_equals_plain_greedy_on_the_gpu(compile):
                 assert torch.equal(out, plain(target, ids, 60, stop)), (arch, length, stop)
         assert {loop.kind for loop in target.plain_graph_loops.values()} == {
             "graph (fused)" if compile else "graph (eager kernels)"}
-        assert time_forward(target, 16, context=40) > 0
 
 
 @pytest.mark.gpu

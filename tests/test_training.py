@@ -315,7 +315,7 @@ def test_shares_normalised_by_the_global_weights_give_the_whole_batch_gradient()
     token_ids, response_mask = collate(data, 64, 0)
     drafter = tiny_drafter(target, block_size=4).bind_target(target)
     anchors = sample_anchors(response_mask, 6, torch.Generator().manual_seed(3))
-    features = trainer.target_hidden_features(target, token_ids, drafter.config.target_layer_ids)
+    features = trainer.target_features_and_logits(target, token_ids, drafter.config.target_layer_ids)[0]
     gamma, selector_weight = default_gamma(4), 0.5
 
     def gradient(loss):
@@ -415,8 +415,8 @@ def _soft_case(top_k=6):
 
 def test_soft_labels_are_the_targets_top_k_after_each_position():
     target, drafter, token_ids, _, anchors, features, labels = _soft_case()
-    torch.testing.assert_close(features, trainer.target_hidden_features(target, token_ids,
-                                                                        drafter.config.target_layer_ids))
+    torch.testing.assert_close(features, trainer.target_features_and_logits(target, token_ids,
+                                                                            drafter.config.target_layer_ids)[0])
     blocks = labels.for_blocks(anchors, 4)
     assert blocks.probs.shape == (*anchors.shape, 3, 6)
     for b in range(anchors.shape[0]):
@@ -567,7 +567,7 @@ def test_held_out_t1_measures_match_blocks_drafted_one_at_a_time(version):
     estimate = held_out_acceptance(drafter, target, [(token_ids, response_mask)], layer_ids, torch.device("cpu"))
     # the same measures, one block at a time, from the target's softmax at each row's position
     logits = target(input_ids=token_ids).logits.float()
-    features = trainer.target_hidden_features(target, token_ids, layer_ids)
+    features = trainer.target_features_and_logits(target, token_ids, layer_ids)[0]
     drafter.requires_grad_(False)
     coverage, first, accept_first, accept_reach = [], [], [], []
     for b in range(token_ids.shape[0]):
@@ -616,7 +616,7 @@ def test_a_deepened_drafter_drafts_as_before_and_its_new_layers_learn(version):
         deepened(grown, 2)
     data = self_distilled(target, 2, length=12)
     token_ids, response_mask = collate(data, 64, 0)
-    features = trainer.target_hidden_features(target, token_ids, drafter.config.target_layer_ids)
+    features = trainer.target_features_and_logits(target, token_ids, drafter.config.target_layer_ids)[0]
     anchors = sample_anchors(response_mask, 4, torch.Generator().manual_seed(1))
     before, _ = trainer.denoise_blocks(drafter, features, token_ids, anchors)
     after, _ = trainer.denoise_blocks(grown, features, token_ids, anchors)

@@ -442,24 +442,14 @@ def test_the_exported_drafter_of_block_size_16_loads(tmp_path):
     assert any(r.get("self_distill") == 12 for r in log)
 
 
-def test_merged_answer_files_keep_every_row_and_move_prompt_indices_apart(tmp_path):
-    import gzip
+def test_jsonl_files_are_written_whole_and_read_back_as_written(tmp_path):
+    """Prompt files and answer files share one writer: any text survives, the file is readable by others, and no
+    temporary file is left beside it."""
+    from dflash2.tasks import read_jsonl, write_jsonl
 
-    from dflash2.tasks import read_jsonl
-    from dflash2.training.selfdistill import merge_data_files, write_jsonl
-
-    first = [{"input_ids": [1, 2, 3], "prompt_length": 1, "prompt_index": i // 2, "sampled": i % 2 == 1}
-             for i in range(6)]  # prompts 0-2, a greedy and a sampled answer each
-    second = [{"input_ids": [4, 5], "prompt_length": 1, "prompt_index": i, "sampled": False} for i in (0, 4)]
-    write_jsonl(first, tmp_path / "a.jsonl")
-    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as handle:  # a returned file is gzipped
-        handle.writelines(json.dumps(row) + "\n" for row in second)
-    counts = merge_data_files([tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"], tmp_path / "all.jsonl")
-    rows = read_jsonl(tmp_path / "all.jsonl")
-    assert counts == {"sequences": 8, "sampled": 3, "response_tokens": 6 * 2 + 2 * 1, "files": 2}
-    assert [r["prompt_index"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 7]  # the second file's past the first's 0-2
-    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in first + second]
-    held, rest = held_out_prompts(rows, 1, seed=0)  # one prompt's answers stay together
-    assert len({r["prompt_index"] for r in held}) == 1 and not {r["prompt_index"] for r in held} & {
-        r["prompt_index"] for r in rest}
-    assert read_jsonl(tmp_path / "a.jsonl") == first  # the inputs are left as they were
+    rows = [{"prompt": "Écris un poème sur la mer 🌊", "prompt_index": 0},
+            {"input_ids": [1, 2], "prompt_length": 1}]
+    write_jsonl(rows, tmp_path / "sub" / "rows.jsonl")
+    assert read_jsonl(tmp_path / "sub" / "rows.jsonl") == rows
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["rows.jsonl"]
+    assert (tmp_path / "sub" / "rows.jsonl").stat().st_mode & 0o777 == 0o644

@@ -45,10 +45,6 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def is_main_process() -> bool:
-    return rank_and_world()[0] == 0
-
-
 def barrier() -> None:
     if rank_and_world()[1] > 1:
         if dist.get_backend() == "nccl":

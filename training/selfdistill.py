@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from dflash2.tasks import left_padded, prompt_ids, read_jsonl, read_prompts
+from dflash2.tasks import left_padded, prompt_ids, read_prompts, write_jsonl
 from dflash2.training import decoding
 
 ANSWER_MODES = ("greedy", "sampled", "both", "mix")
@@ -235,41 +233,6 @@ def distill_to_file(target, tokenizer, prompts: list, path, **options) -> dict:
     return {"sequences": len(rows), "sampled": sum(r["sampled"] for r in rows),
             "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows),
             "processes": world, "seconds": round(time.time() - started)}
-
-
-def merge_data_files(paths, out) -> dict:
-    """Rows of several self-distillation files (each gzipped or not) in one file `out`, written atomically; each file's
-    prompt indices are moved past the previous files' (the held-out split keeps a prompt's answers together, and
-    indices of different prompt files would otherwise collide). Returns counts, like `distill_to_file`."""
-    rows, offset = [], 0
-    for path in paths:
-        part = read_jsonl(path)
-        top = -1
-        for row in part:
-            if "prompt_index" in row:
-                top = max(top, row["prompt_index"])
-                row["prompt_index"] += offset
-        rows += part
-        offset += top + 1
-    write_jsonl(rows, out)
-    return {"sequences": len(rows), "sampled": sum(r.get("sampled", False) for r in rows),
-            "response_tokens": sum(len(r["input_ids"]) - r["prompt_length"] for r in rows), "files": len(paths)}
-
-
-def write_jsonl(rows, path) -> None:
-    """Atomic: a temporary file in the same folder, then a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            for row in rows:
-                out.write(json.dumps(row) + "\n")
-        os.chmod(temporary, 0o644)  # mkstemp makes it 0600; the data is not secret
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def add_distill_arguments(parser, prefix: str = "") -> None:

@@ -389,10 +389,6 @@ def target_features_and_logits(target, token_ids: torch.Tensor, layer_ids: list[
     return tap_target_features(out.hidden_states, layer_ids), out.logits
 
 
-def target_hidden_features(target, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    return target_features_and_logits(target, token_ids, layer_ids)[0]
-
-
 @dataclass
 class SoftLabels:
     """The target's distribution of the next token after every position, kept as its top-k: probs [b, T, k]
