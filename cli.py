@@ -187,18 +187,16 @@ def command_bench(args) -> None:
         results = {"settings": {"command": command, "device": str(drafter.device), "dtype": str(drafter.dtype)},
                    "batched": run_batched_benchmark(target, tokenizer, drafter, args.batch_sizes, args.tasks[-1],
                                                     args.max_new_tokens)}
-        written = write_reports(results, args.out)
-        print(markdown_table(results))
-        print("wrote " + ", ".join(str(p) for p in written))
-        return
-    drafters = {"dflash2": drafter}
-    if args.dflash1_drafter:
-        dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype, **drafter_overrides(args))
-        drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
-    results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts, command=command,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, static=args.static,
-                            on_task_done=lambda partial: write_reports(partial, args.out))
+    else:
+        drafters = {"dflash2": drafter}
+        if args.dflash1_drafter:
+            dflash1 = DFlash2Drafter.from_pretrained(args.dflash1_drafter, dtype=drafter.dtype,
+                                                     **drafter_overrides(args))
+            drafters["dflash1"] = dflash1.to(drafter.device).eval().attach(target)
+        results = run_benchmark(target, tokenizer, drafters, tasks=args.tasks, num_prompts=args.num_prompts,
+                                command=command, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, static=args.static,
+                                on_task_done=lambda partial: write_reports(partial, args.out))
     written = write_reports(results, args.out)
     print(markdown_table(results))
     print("wrote " + ", ".join(str(p) for p in written))

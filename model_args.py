@@ -18,59 +18,33 @@ class UsageError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ argument types
-def positive_int(text: str) -> int:
-    value = _number(text, int, "a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+def _number_type(kind, fits, rule: str):
+    """An argparse type: `kind(text)` (int or float), refused with "must be <rule>" unless `fits(value)`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not fits(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = _number(text, int, "a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
-    return value
-
-
-def share(text: str) -> float:
-    value = _number(text, float, "a number")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
-
-
-def block_size(text: str) -> int:
-    value = _number(text, int, "a whole number")
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 (the anchor and one draft), got {text}")
-    return value
+positive_int = _number_type(int, lambda value: value >= 1, "at least 1")
+non_negative_int = _number_type(int, lambda value: value >= 0, "0 or more")
+non_negative_float = _number_type(float, lambda value: value >= 0, "0 or more")  # (nan is refused too)
+probability = _number_type(float, lambda value: 0 < value <= 1, "above 0 and at most 1")
+share = _number_type(float, lambda value: 0 <= value <= 1, "from 0 to 1")
+block_size = _number_type(int, lambda value: value >= 2, "at least 2 (the anchor and one draft)")
 
 
 def thread_count(text: str) -> str:
     if text != "auto":
         positive_int(text)
     return text
-
-
-def _number(text: str, kind, what: str):
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
 
 
 def add_model_arguments(parser, max_new_tokens: int = 128) -> None:

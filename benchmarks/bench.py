@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2.benchmarks.common import round_kind, settle, wall_timed
+from dflash2.benchmarks.common import settle, wall_timed
 from dflash2.model_args import sampling_kwargs
 from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
 
@@ -88,11 +88,9 @@ def timed_call(name: str, target, ids, kwargs, device):
     token: the prefill's, then one per step)."""
     if name != "plain-graph":
         return timed_generate(target, ids, kwargs, device)
-    from dflash2.benchmarks.plain_graph import call_sampling, timed_plain_graph_generate
+    from dflash2.benchmarks.plain_graph import timed_plain_graph_call
 
-    out, seconds = timed_plain_graph_generate(target, ids, kwargs["max_new_tokens"],
-                                              kwargs.get("eos_token_id", target.generation_config.eos_token_id),
-                                              kwargs["pad_token_id"], sampling=call_sampling(target, kwargs))
+    out, seconds = timed_plain_graph_call(target, ids, kwargs)
     return out, seconds, out.shape[1] - ids.shape[1]
 
 
@@ -182,7 +180,7 @@ def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbenc
                 attention_mask=torch.ones_like(longest), max_new_tokens=8, pad_token_id=tokenizer.eos_token_id,
                 **sampling, **method_kwargs("dflash2-static", drafters)), device))
             results.setdefault("waited_for_fused_round_s", {})[task] = waited
-            results.setdefault("round_kind", {})[task] = round_kind(drafters["dflash2"], 1)
+            results.setdefault("round_kind", {})[task] = drafters["dflash2"].round_kind(1)
         active = [name for name in methods if name not in failed]
         per_method = {name: MethodResult() for name in active}
         if bar is not None:

@@ -18,6 +18,13 @@ def write_report(report: dict, out) -> None:
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def finish_report(report: dict, out) -> dict:
+    """`write_report`, then the report on stdout; returns it."""
+    write_report(report, out)
+    print(json.dumps(report, indent=1))
+    return report
+
+
 def command_line(module: str, argv) -> str:
     """How this benchmark was called, for its report."""
     return f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -37,12 +44,6 @@ def wall_timed(function, *devices):
     out = function()
     synchronize(*devices)
     return out, time.perf_counter() - started
-
-
-def round_kind(drafter, batch: int) -> str | None:
-    """How the rounds of the (last used) core for `batch` rows run: "graph (eager kernels)", "graph (fused ahead of
-    time)", ..."""
-    return drafter.round_kind(batch)
 
 
 def settle(drafter, again) -> float:

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
 
     from dflash2.generation import DFlash2Drafter, load_target
     from dflash2.model_args import DEFAULT_DRAFTER
-    from dflash2.tasks import chat_prompt_ids, task_prompts
+    from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
 
     device = torch.device(args.device)
     drafter = DFlash2Drafter.from_pretrained(DEFAULT_DRAFTER, dtype=torch.bfloat16).to(device).eval()
@@ -103,9 +103,8 @@ def main(argv=None) -> None:
     while first is None or time.perf_counter() - first < args.seconds:
         chosen = [index % len(prompts) + row for row in range(args.batch)]
         rows = [prompts[i % len(prompts)] for i in chosen]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(r)) + r for r in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        ids, mask = (t.to(device) for t in left_padded(rows, tokenizer.eos_token_id))
+        width = ids.shape[1]
         synchronize()
         started = time.perf_counter()
         first = started if first is None else first

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 
 import torch
@@ -111,7 +110,7 @@ def call(target, ids, device, **kwargs):
 
 
 def main(argv=None):
-    from dflash2.benchmarks.common import command_line, write_report
+    from dflash2.benchmarks.common import command_line, finish_report
     from dflash2.model_args import add_model_arguments, load_pair, positive_int
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,9 +131,7 @@ def main(argv=None):
                                        else "cpu"), "dtype": str(drafter.dtype), "torch": torch.__version__}}
     results.update(run_multiturn(target, tokenizer, drafter, args.history_tokens, args.max_new_tokens, args.repeats,
                                  loops))
-    write_report(results, args.out)
-    print(json.dumps(results, indent=1))
-    return results
+    return finish_report(results, args.out)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,14 @@ def timed_plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: i
                                                    compile, sampling), input_ids.device)
 
 
+def timed_plain_graph_call(model, input_ids: torch.Tensor, kwargs: dict, compile: bool = False):
+    """`timed_plain_graph_generate` as a `generate` call with `kwargs` would run: its max_new_tokens, pad_token_id,
+    eos_token_id (the model's when it names none) and sampling setting (`call_sampling`)."""
+    eos = kwargs.get("eos_token_id", model.generation_config.eos_token_id)
+    return timed_plain_graph_generate(model, input_ids, kwargs["max_new_tokens"], eos, kwargs["pad_token_id"], compile,
+                                      call_sampling(model, kwargs))
+
+
 def forget_plain_graph_loops(model) -> None:
     """Drop the loops (their caches and graphs) kept on `model`."""
     model.__dict__.pop("plain_graph_loops", None)

@@ -6,21 +6,13 @@
     python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
     python -m dflash2.benchmarks.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
 
-Targets are built from configs only (no download): Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads,
-head_dim 128, intermediate 12288, vocabulary 151936) and Qwen3-32B shape (hidden 5120, 64 layers, 64 heads, 8 KV
-heads, intermediate 25600), each with a 5-layer DFlash 2 drafter from `DFlash2Config.for_target` (selector rank 256 and
-top-k 16 as in the published DFlash 2 configs). A random drafter accepts about nothing, so every round is a full
-round: the script reports the cost of one round (`per_round_ms`, from two timed generate calls of different lengths,
-so prefill and call overheads cancel) against the cost of one plain decoding step (`per_token_ms`), and projects the
-speedup a trained drafter would give: tau * per_token_ms / per_round_ms for the published tau values 4.0, 5.0, 6.5.
-
-Loops: `assisted` (transformers' loop, `generate(assistant_model=drafter)`), `graph` (DFlash 2's static loop,
-`cache_implementation="static"`: the round captured as a CUDA graph of eager kernels), `fused` (the same round compiled
-by inductor, then captured; one compile, batch 1, first block size), `batched` (batch 4 and 8, one round per step for
-the whole batch); plain decoding `plain-eager` and `plain-static` (transformers compiles the static-cache forward).
-`plain-graph` is the expert per-token baseline: plain greedy decoding with no `generate`, the one-token step captured
-as a CUDA graph and replayed with no host read per token (`benchmarks/plain_graph.py`; eager on a split target).
-On a target split over GPUs the own loops cannot be captured and run their round eagerly (`kind` says so).
+Targets and drafters are built from configs only (no download), with random weights: the Qwen3-8B and Qwen3-32B
+shapes, each with a 5-layer DFlash 2 drafter. A random drafter accepts about nothing, so the script reports the cost
+of one full round (`per_round_ms`) against one plain decoding step (`per_token_ms`) and projects the speedup a trained
+drafter would give at the published tau values. docs/scale.md says what each number is, how it is taken, and what the
+loops `assisted`, `graph`, `fused` (one compile, batch 1, first block size), `batched`, `plain-eager`, `plain-static`
+and `plain-graph` (eager on a split target) run. On a target split over GPUs the own loops cannot be captured and run
+their round eagerly (`kind` says so).
 `plain-static` runs last in a part: a fused DFlash 2 graph replayed after transformers' compiled plain decoding in the
 same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects methods for a process of its
 own.
@@ -210,9 +202,14 @@ def own_loop_state(drafter) -> dict:
             + core.features.numel() * core.features.element_size(), "target_cache_bytes": held(core.target_cache)}
 
 
-def forget_own_loops(drafter) -> None:
-    """Release the drafter's round cores (their buffers would count in the next method's peak memory)."""
-    drafter.release()
+def free_memory(drafter=None) -> None:
+    """Release the drafter's round cores (when given) and what Python and the CUDA allocator still hold: none of it
+    may count in the next method's peak memory."""
+    import gc
+
+    if drafter is not None:
+        drafter.release()
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -252,12 +249,12 @@ def time_method(method: str, target, drafter, ids, args, devices, extra=None) ->
         result["error"] = f"{type(error).__name__}: {str(error)[:400]}"
     result["peak_memory_gb"] = peak_gb(devices)
     if drafter is not None:
-        forget_own_loops(drafter)
+        free_memory(drafter)
     if method == "plain-graph":
         from dflash2.benchmarks.plain_graph import forget_plain_graph_loops
 
         forget_plain_graph_loops(target)
-        forget_own_loops_cache()
+        free_memory()
     return result
 
 
@@ -351,21 +348,13 @@ def part_speed(name: str, args, budget, split: bool) -> dict:
                     target, args, devices, budget, report["results"], name)
         release_drafter(drafters[-1], target)
         del drafters[-1]
-        forget_own_loops_cache()
+        free_memory()
     run_methods([("plain-static", None, prompts[b], {"cache_implementation": "static"}) for b in prompts],
                 target, args, devices, budget, report["results"], name)
     report["projected"] = projections(report["results"])
     del target
-    forget_own_loops_cache()
+    free_memory()
     return report
-
-
-def forget_own_loops_cache() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def part_long(args, budget) -> dict:
@@ -463,7 +452,7 @@ def lossless_cases(target, drafter, prompts, args, devices, label: str) -> list[
         identical = sum(int(out[row, width:].tolist() == plain[row]) for row in range(len(prompts)))
         cases.append({"target": label, "loop": "batched", "drafts": drafts, "identical": identical,
                       "prompts": len(prompts), "accepted_per_position": drafter.last_stats.accepted_per_position})
-        forget_own_loops(drafter)
+        free_memory(drafter)
     return cases
 
 
@@ -493,7 +482,7 @@ def part_lossless(args, budget) -> dict:
                                                  for c in report["cases"] if c.get("target") == label), flush=True)
         release_drafter(drafter, target)
         del target, drafter
-        forget_own_loops_cache()
+        free_memory()
     checked = [c for c in report["cases"] if "identical" in c]
     report["all_identical"] = bool(checked) and all(c["identical"] == c["prompts"] for c in checked)
     return report
@@ -605,7 +594,7 @@ def main(argv=None) -> dict:
             report["parts"][part] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
             print(f"  {part} failed: {report['parts'][part]['error']}", flush=True)
         report["parts"][part]["seconds"] = round(time.perf_counter() - started, 1)
-        forget_own_loops_cache()
+        free_memory()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(table(report))

@@ -40,7 +40,7 @@ PROCESS_STARTED = time.perf_counter()
 
 import torch  # noqa: E402
 
-from dflash2.benchmarks.common import round_kind, settle, synchronize, wall_timed, write_report  # noqa: E402
+from dflash2.benchmarks.common import finish_report, settle, synchronize, wall_timed, write_report  # noqa: E402
 
 
 def timed(target, ids, device, **kwargs):
@@ -56,7 +56,7 @@ def summary(times, tokens):
 def main(argv=None):
     from dflash2.benchmarks.common import command_line
     from dflash2.model_args import add_model_arguments, load_pair, sampling_kwargs
-    from dflash2.benchmarks.plain_graph import call_sampling, timed_plain_graph_generate
+    from dflash2.benchmarks.plain_graph import timed_plain_graph_call
     from dflash2.tasks import chat_prompt_ids, task_categories, task_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +100,7 @@ def main(argv=None):
     if not tasks or any(task not in skips for task in tasks):
         parser.error(f"--tasks takes names from {', '.join(skips)}; got {args.tasks}")
     if args.merge:
-        return finish(merge(*(json.loads(Path(f).read_text()) for f in args.merge)), args.out)
+        return finish_report(merge(*(json.loads(Path(f).read_text()) for f in args.merge)), args.out)
 
     target, tokenizer, drafter = load_pair(args)
     device = drafter.device
@@ -110,8 +110,7 @@ def main(argv=None):
     encoded = {task: [torch.tensor([chat_prompt_ids(tokenizer, p)], device=device) for p in ps]
                for task, ps in prompts.items()}
     categories = {task: task_categories(task, args.num_prompts, skip=skips[task]) for task in tasks}
-    # --temperature / --top-p: every timed call samples so, but for the settings section (which brings its own
-    # settings)
+    # --temperature / --top-p: every timed call samples so, but the settings section's (it brings its own settings)
     sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
     common = dict(pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
@@ -135,10 +134,7 @@ def main(argv=None):
     def call(method, ids, **extra):
         own = {} if "do_sample" in extra else sampling  # a call that names its own sampling setting keeps it whole
         if method == "plain-graph":
-            settings = {**common, **own, **extra}
-            out, seconds = timed_plain_graph_generate(target, ids, settings["max_new_tokens"],
-                                                      target.generation_config.eos_token_id, settings["pad_token_id"],
-                                                      args.plain_graph_compile, call_sampling(target, settings))
+            out, seconds = timed_plain_graph_call(target, ids, {**common, **own, **extra}, args.plain_graph_compile)
             return out, seconds, out.shape[1] - ids.shape[1], None
         out, seconds = timed(target, ids, device, **{"attention_mask": torch.ones_like(ids), **common, **own,
                                                      **methods[method], **extra})
@@ -157,13 +153,13 @@ def main(argv=None):
         cold[method] = {"first_call_s": round(seconds, 3), "tokens": tokens,
                         "since_process_start_s": round(time.perf_counter() - PROCESS_STARTED, 2)}
         if method in ("dflash2", "dflash2-card"):
-            cold[method]["round"] = round_kind(drafter, 1)
+            cold[method]["round"] = drafter.round_kind(1)
         for task, items in encoded.items():
             for index, ids in enumerate(items):
                 _, seconds, tokens, _ = call(method, ids)
                 first_pass.append({"method": method, "task": task, "s": round(seconds, 4), "tokens": tokens,
                                    "prompt": index + skips[task],
-                                   "round": round_kind(drafter, 1) if method in ("dflash2", "dflash2-card") else None})
+                                   "round": drafter.round_kind(1) if method in ("dflash2", "dflash2-card") else None})
     results["cold_start"] = {"order": order, **cold}
     results["first_pass"] = first_pass
     results["first_pass_tokens_per_s"] = first_pass_rates(first_pass)
@@ -173,7 +169,7 @@ def main(argv=None):
         call("dflash2", encoded[tasks[0]][0], max_new_tokens=8)  # (builds the batch-1 core when cold was skipped)
         results["round_kind"] = drafter.round_runners(batch=1)[-1].kind
     if args.quick:
-        return finish(results, args.out)
+        return finish_report(results, args.out)
 
     # ---- steady state: every selected method on every prompt (DFlash 2 first on each), after a warm-up call of each
     # method for every shape the prompts need, so that no timed call builds, captures or fuses anything
@@ -184,7 +180,7 @@ def main(argv=None):
             warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)  # switch to the fused
         results["steady_warm_up_calls"] = warmed
         if any(is_dflash2(method) for method in selected):  # `round_kind` above: the first call's, before any switch
-            results["steady_round_kind"] = round_kind(drafter, 1)
+            results["steady_round_kind"] = drafter.round_kind(1)
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
         agree = 0
@@ -192,7 +188,7 @@ def main(argv=None):
             outs = {}
             for method in selected:
                 outs[method], s, tokens, stats = call(method, ids)
-                rows[method].append((s, tokens, new_ids(outs[method], ids),
+                rows[method].append((s, tokens, outs[method][0, ids.shape[1]:].tolist(),
                                      stats.target_forwards if stats is not None else None))
             agree += int("dflash2" in outs and "plain" in outs and torch.equal(outs["dflash2"], outs["plain"]))
         entry = {method: {**summary([r[0] for r in runs], sum(r[1] for r in runs)), "outputs": [r[2] for r in runs],
@@ -227,7 +223,7 @@ def main(argv=None):
     if "settings" in sections and "dflash2" in selected:
         results["settings_change"] = settings_change(call, encoded, drafter)
         write_report(results, args.out)
-    return finish(results, args.out)
+    return finish_report(results, args.out)
 
 
 def first_pass_rates(first_pass: list[dict]) -> dict:
@@ -290,10 +286,6 @@ def assisted_round_split(call, encoded, target, device) -> dict:
             "draft_ms": round(1000 * spent["draft"] / rounds, 3), "verify_ms": round(1000 * spent["verify"] / rounds, 3),
             "rest_ms": round(1000 * rest / rounds, 3),
             "prefill_ms_per_call": round(1000 * spent["prefill"] / max(calls, 1), 3)}
-
-
-def new_ids(out: torch.Tensor, ids: torch.Tensor) -> list[int]:
-    return out[0, ids.shape[1]:].tolist()
 
 
 def is_dflash2(method: str) -> bool:
@@ -425,12 +417,6 @@ def merge(ours: dict, plain: dict) -> dict:
             merged["steady"][task].update(against_plain_graph({"dflash2": a, "plain": b,
                                                                "plain-graph": entry["plain-graph"]}, greedy))
     return merged
-
-
-def finish(results, out):
-    write_report(results, out)
-    print(json.dumps(results, indent=1))
-    return results
 
 
 if __name__ == "__main__":
