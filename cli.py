@@ -333,11 +333,7 @@ def command_serve(args) -> None:
 
     if args.drafter_folder:
         args.drafter = args.drafter_folder
-    try:
-        check_model_arguments(args)
-    except UsageError as error:
-        fail(str(error))
-    target, tokenizer, drafter = load_pair(args, check=False)
+    target, tokenizer, drafter = load_pair(args)  # a mistake in the arguments ends here, in one line
     engine = Engine(target, tokenizer, drafter, rows=args.rows, max_model_len=args.max_model_len,
                     max_queue=args.max_queue)
     name = args.served_model_name or Path(args.drafter).name

@@ -42,18 +42,12 @@ def humaneval_path() -> Path:
     return eval_file(HUMANEVAL)
 
 
-def mtbench_path() -> Path:
-    return eval_file(MTBENCH)
-
-
 def humaneval_records() -> list[dict]:
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as handle:
-        return [json.loads(row) for row in handle if row.strip()]
+    return read_jsonl(humaneval_path())
 
 
 def mtbench_records() -> list[dict]:
-    with open(mtbench_path(), encoding="utf-8") as handle:
-        return [json.loads(row) for row in handle if row.strip()]
+    return read_jsonl(eval_file(MTBENCH))
 
 
 def task_prompts(task: str, limit: int | None = None, skip: int = 0) -> list[str]:

@@ -475,16 +475,13 @@ PUZZLES = (ordering, weekday, knights_and_knaves, next_term, clock_angle, who_ow
 def generate(templates, n: int, seed, instructions=INSTRUCTIONS) -> list[str]:
     """n distinct problems, round-robin over the templates, each followed by a step-by-step instruction; problem k of
     a template is fixed by (seed, template, k)."""
-    seen, problems = set(), []
+    problems = {}  # a dict: the first of repeats, in order
     for k in itertools.count():
         if len(problems) == n or k > 50 * n:
-            return problems
+            return list(problems)
         template = templates[k % len(templates)]
         rng = random.Random(f"{seed}:{template.__name__}:{k // len(templates)}")
-        text = f"{template(Draw(rng))} {rng.choice(instructions)}"
-        if text not in seen:
-            seen.add(text)
-            problems.append(text)
+        problems.setdefault(f"{template(Draw(rng))} {rng.choice(instructions)}")
 
 
 def word_problems(n: int, seed: int = 0) -> list[str]:

@@ -55,7 +55,8 @@ def main(argv=None):
                         "compiling children)")
     args = parser.parse_args(argv)
     if args.table:
-        runs = [run for path in args.table for run in report_runs(json.loads(Path(path).read_text()))]
+        reports = [json.loads(Path(path).read_text()) for path in args.table]
+        runs = [run for report in reports for run in report.get("runs", [report])]  # one run, or several
         print(category_table(runs))
         return runs
     tasks = args.task.split(",")
@@ -132,11 +133,6 @@ def by_category(per_prompt: list[dict], categories: list[str]) -> dict:
         tokens, forwards = sum(r["tokens"] for r in rows), sum(r["target_forwards"] for r in rows)
         table[category] = {"prompts": len(rows), "tau": round(tokens / forwards, 3)}
     return table
-
-
-def report_runs(report: dict) -> list[dict]:
-    """The one-drafter reports inside a saved report (one, or several under "runs")."""
-    return report["runs"] if "runs" in report else [report]
 
 
 def category_table(runs: list[dict]) -> str:

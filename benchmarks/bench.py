@@ -120,12 +120,7 @@ def method_kwargs(name: str, drafters: dict) -> dict:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_benchmark(target, tokenizer, drafters: dict, tasks=("humaneval", "mtbench"), num_prompts: int = 8,

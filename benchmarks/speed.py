@@ -22,10 +22,8 @@ tau and tokens/s over the path's.
 Greedy by default; `--temperature T` (and `--top-p`, `--top-k`: no top-k cut unless given) samples in every timed call
 but the settings section's, `plain-graph` too (its step samples at the same settings).
 Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
-that method's own cold start; a second process finds torch's on-disk compile caches warm. With `--compile`, run the two
-methods in separate processes (`--methods dflash2`, `--methods plain`): a fused DFlash 2 graph replayed after
-transformers' cudagraph-tree compile of plain decoding ran in the same process can hit an illegal memory access
-(torch 2.11, CUDA).
+that method's own cold start (a second process finds torch's compile caches warm); compiled `generate` runs in a
+process of its own (`--methods plain`, then `--merge`; docs/benchmarks.md says why).
 """
 
 from __future__ import annotations
@@ -69,14 +67,14 @@ def main(argv=None):
                         "(humaneval, mtbench, math); the first one's first prompt is the cold-start call's")
     parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
     fusion = parser.add_mutually_exclusive_group()
-    fusion.add_argument("--compile", action="store_true", help="DFlash 2 with compile=True: the inductor-fused round, "
-                        "compiled on the first call, captured as a CUDA graph")
-    fusion.add_argument("--background-fusion", action="store_true",
+    fusion.add_argument("--compile", action="store_const", const=True, help="DFlash 2 with compile=True: the "
+                        "inductor-fused round, compiled on the first call, captured as a CUDA graph")
+    fusion.add_argument("--background-fusion", action="store_const", const="background", dest="compile",
                         help="DFlash 2 with compile='background' (the default on one CUDA device): unfused at once, "
                              "the round compiled ahead of time in a child process and switched to when ready "
                              "(generation/fused_package.py)")
-    fusion.add_argument("--no-fusion", action="store_true", help="DFlash 2 with compile=False: the graph of the eager "
-                        "round's kernels (on a CPU: the eager round)")
+    fusion.add_argument("--no-fusion", action="store_const", const=False, dest="compile", help="DFlash 2 with "
+                        "compile=False: the graph of the eager round's kernels (on a CPU: the eager round)")
     parser.add_argument("--tree-nodes", type=int, default=32, help="nodes of the tree the `dflash2-tree` method "
                         "verifies (default 32)")
     parser.add_argument("--plain-graph-compile", action="store_true",
@@ -115,9 +113,7 @@ def main(argv=None):
     common = dict(pad_token_id=pad, max_new_tokens=args.max_new_tokens)
     methods = {"plain": dict(cache_implementation="static"),
                "dflash2": dict(cache_implementation="static", assistant_model=drafter,
-                               **({"compile": True} if args.compile else {}),
-                               **({"compile": "background"} if args.background_fusion else {}),
-                               **({"compile": False} if args.no_fusion else {}))}
+                               **({} if args.compile is None else {"compile": args.compile}))}
     methods["dflash2-path"] = dict(methods["dflash2"], tree_nodes=0)
     methods["dflash2-tree"] = dict(methods["dflash2"], tree_nodes=args.tree_nodes)
     # the model card's call: one prompt, default kwargs (no cache_implementation); and transformers' assisted loop

@@ -339,7 +339,7 @@ def function_sources(roots: Iterable[Path], exclude_names: Iterable[str] = (),
     """The whole source (dedented, docstring kept) of public functions and methods of 5-40 lines and 200-1500
     characters under the given roots (`source_functions`), in a deterministic order, without repeats."""
     excluded = set(exclude_names)
-    seen, sources = set(), []
+    sources = []
     for node, _, lines in source_functions(roots, skipped_parts):
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in excluded:
             continue
@@ -348,10 +348,9 @@ def function_sources(roots: Iterable[Path], exclude_names: Iterable[str] = (),
             continue
         # whole lines (ast.get_source_segment re-splits the file on every call: minutes for torch)
         code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
-        if REVIEW_MIN_CHARS <= len(code) <= REVIEW_MAX_CHARS and "```" not in code and code not in seen:
-            seen.add(code)
+        if REVIEW_MIN_CHARS <= len(code) <= REVIEW_MAX_CHARS and "```" not in code:
             sources.append(code)
-    return sources
+    return list(dict.fromkeys(sources))  # the first of repeats, in order
 
 
 def code_review_candidates(roots: Iterable[Path], seed: int = 0, exclude_names: Iterable[str] = (),

@@ -107,16 +107,17 @@ def normalize_for_match(text: str) -> str:
     return " ".join(re.findall(r"[0-9a-z_]+", text.casefold()))
 
 
-def dedupe(texts: Iterable[str]) -> list[str]:
-    """Drop repeats up to case/whitespace, keeping first occurrences in order."""
+def dedupe(items: Iterable, key=str) -> list:
+    """Drop repeats up to case/whitespace (of `key(item)`: the text itself by default), keeping first occurrences in
+    order."""
     seen: set[str] = set()
     kept = []
-    for text in texts:
+    for item in items:
         # Punctuation stays significant: "5 - 3" and "5 + 3" are different questions.
-        key = " ".join(text.split()).casefold()
-        if key and key not in seen:
-            seen.add(key)
-            kept.append(text)
+        folded = " ".join(key(item).split()).casefold()
+        if folded and folded not in seen:
+            seen.add(folded)
+            kept.append(item)
     return kept
 
 
@@ -253,14 +254,9 @@ def sharegpt_turn_candidates(path: Path | None = None, history_exchanges: int = 
 
 @functools.lru_cache(maxsize=2)
 def _sharegpt_turn_candidates(path: Path, history_exchanges: int) -> tuple:
-    seen, kept = set(), []
-    for record in sharegpt_records(path):
-        for messages in later_turn_conversations(record, history_exchanges):
-            key = " ".join(conversation_text(messages).split()).casefold()
-            if key not in seen:
-                seen.add(key)
-                kept.append(messages)
-    return tuple(kept)
+    conversations = (messages for record in sharegpt_records(path)
+                     for messages in later_turn_conversations(record, history_exchanges))
+    return tuple(dedupe(conversations, key=conversation_text))
 
 
 # -------------------------------------------------------------------- stdlib code
