@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main(argv=None):
 def measure(args, tasks: list[str], skips: list[int]) -> dict:
     """One drafter's report: τ per task and per prompt category, and per prompt."""
     from dflash2.model_args import load_pair, sampling_kwargs
-    from dflash2.tasks import prompt_ids, task_categories, task_prompts
+    from dflash2.tasks import prompt_ids, read_prompts, task_categories, task_prompts
 
     target, tokenizer, drafter = load_pair(args, check=False)
     sampling = sampling_kwargs(args.temperature, args.top_p, args.top_k)
@@ -98,8 +99,10 @@ def measure(args, tasks: list[str], skips: list[int]) -> dict:
     for task, skip in zip(tasks, skips):
         tokens = forwards = 0
         per_prompt = []
-        if task == "prompts":
-            prompts = file_prompts(args.prompt_file)[skip:][:args.num_prompts]
+        if task == "prompts":  # the file's prompts in a shuffle seeded by 0, so that a few of them mix its sources
+            prompts = read_prompts(args.prompt_file)
+            random.Random(0).shuffle(prompts)
+            prompts = prompts[skip:][:args.num_prompts]
             categories = ["prompt file"] * len(prompts)
         else:
             prompts = task_prompts(task, args.num_prompts, skip=skip)
@@ -169,18 +172,6 @@ def top_k_label(run: dict) -> str:
         return ""
     top_k = run.get("top_k", 0)
     return f", top-k {top_k}" if top_k else ""
-
-
-def file_prompts(path) -> list:
-    """The prompts of a prompt file (texts or conversations) in a shuffle seeded by 0, so that a few of them mix its
-    sources."""
-    import random
-
-    from dflash2.tasks import read_prompts
-
-    prompts = read_prompts(path)
-    random.Random(0).shuffle(prompts)
-    return prompts
 
 
 if __name__ == "__main__":

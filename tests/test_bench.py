@@ -214,6 +214,40 @@ def test_acceptance_samples_with_no_top_k_cut_and_reports_it(monkeypatch):
     assert acceptance.category_table([old]).splitlines()[0] == "| τ | d, T 1, tree 32 |"
 
 
+def test_acceptance_reads_a_prompt_file_in_a_seeded_shuffle_and_tables_saved_reports(monkeypatch, tmp_path):
+    """--task prompts: the file's prompts shuffled by seed 0, then --skip and --num-prompts; --table reads saved
+    reports of one run and of several."""
+    import argparse
+    import random
+    import types
+
+    import torch
+
+    from dflash2.benchmarks import acceptance
+    from dflash2.tasks import write_jsonl
+
+    seen = []
+    stats = types.SimpleNamespace(completion_tokens=8, target_forwards=4, acceptance_length=2.0)
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(tree_nodes=0), device=torch.device("cpu"),
+                                    last_stats=stats)
+    target = types.SimpleNamespace(dtype=torch.float32, generate=lambda ids, **kwargs: None)
+    monkeypatch.setattr("dflash2.model_args.load_pair",
+                        lambda args, check=False: (target, types.SimpleNamespace(eos_token_id=0), drafter))
+    monkeypatch.setattr("dflash2.tasks.prompt_ids", lambda tokenizer, prompt, limit: seen.append(prompt) or [1, 2])
+    texts = [f"prompt {i}" for i in range(6)]
+    write_jsonl([{"prompt": text} for text in texts], tmp_path / "prompts.jsonl")
+    args = argparse.Namespace(drafter="d", max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                              no_fusion=True, tree_nodes=None, prompt_file=tmp_path / "prompts.jsonl", num_prompts=3)
+    report = acceptance.measure(args, ["prompts"], [1])
+    random.Random(0).shuffle(texts)
+    assert seen == texts[1:4]
+    assert report["tasks"]["prompts"]["by_category"] == {"prompt file": {"prompts": 3, "tau": 2.0}}
+    (tmp_path / "one.json").write_text(json.dumps(report))
+    (tmp_path / "two.json").write_text(json.dumps({"runs": [report, {**report, "temperature": 1.0}]}))
+    runs = acceptance.main(["--table", str(tmp_path / "one.json"), str(tmp_path / "two.json")])
+    assert [run["temperature"] for run in runs] == [0.0, 0.0, 1.0]
+
+
 def test_speed_times_sampling_when_asked_in_every_method(monkeypatch):
     """--temperature reaches every timed generate call (it was once parsed and ignored) and the plain CUDA-graph
     loop, which samples at the same settings."""
