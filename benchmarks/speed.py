@@ -9,8 +9,8 @@ Reports, in one process on one machine:
 - `settings`: a new temperature / top-k / top-p's first call against its second (ms per round; no core, graph or
   compile should be built for it);
 - `assisted`: where a round of transformers' assisted loop spends its time.
-Batched throughput is `dflash2 bench --batch-sizes`'s; where a round's time goes, `python -m
-dflash2.benchmarks.round_profile`'s.
+Batched throughput is measured by `dflash2 bench --batch-sizes`; where a round's time goes, by
+`python -m dflash2.benchmarks.round_profile`.
 Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
 verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `dflash2-card` (the model card's call:
 one prompt, default kwargs, no `cache_implementation`), `dflash2-assisted` (transformers' assisted loop,
