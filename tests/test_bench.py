@@ -388,3 +388,30 @@ def test_speed_times_the_model_cards_call_and_splits_the_assisted_loops_round(mo
     assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["prefill_ms_per_call"] > 0
     assert abs(split["draft_ms"] + split["verify_ms"] + split["rest_ms"] - split["round_ms"]) < 0.01
     assert drafter.last_stats.loop == "transformers"
+
+
+def test_speed_merges_the_reports_of_its_two_processes(tmp_path):
+    """--merge: a `--methods dflash2,plain-graph` report and a `--methods plain` report over the same prompts become
+    one, with the speedups and (greedy) the outputs' agreement; no model is loaded."""
+    from dflash2.benchmarks import speed
+
+    greedy = {"sampling": {"do_sample": False}}
+    ours = {"settings": greedy, "cold_start": {"order": ["dflash2"], "dflash2": {"first_call_s": 1.0}},
+            "round_kind": "graph (eager kernels)", "steady_round_kind": "graph (fused ahead of time)",
+            "steady": {"mtbench": {"dflash2": {"tokens_per_s": 30.0, "tau": 3.0, "outputs": [[1, 2], [3, 4]]},
+                                   "plain-graph": {"tokens_per_s": 15.0, "outputs": [[1, 2], [3, 5]]}}}}
+    plain = {"settings": greedy, "cold_start": {"order": ["plain"], "plain": {"first_call_s": 2.0}},
+             "steady": {"mtbench": {"plain": {"tokens_per_s": 10.0, "outputs": [[1, 2], [3, 5]]}}}}
+    for name, report in (("ours", ours), ("plain", plain)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    merged = speed.main(["--merge", str(tmp_path / "ours.json"), str(tmp_path / "plain.json"),
+                         "--out", str(tmp_path / "merged.json")])
+    assert merged == json.loads((tmp_path / "merged.json").read_text())
+    assert merged["cold_start"] == {"order": ["dflash2"], "dflash2": {"first_call_s": 1.0},
+                                    "plain": {"first_call_s": 2.0}}
+    entry = merged["steady"]["mtbench"]
+    assert (entry["speedup"], entry["identical_outputs_bf16"], entry["dflash2"]) == (3.0, "1/2",
+                                                                                     {"tokens_per_s": 30.0, "tau": 3.0})
+    assert (entry["speedup_vs_plain_graph"], entry["plain_graph_vs_plain"]) == (2.0, 1.5)
+    assert entry["plain_graph_identical_to_plain_bf16"] == "2/2"
+    assert merged["steady_round_kind"] == "graph (fused ahead of time)"
