@@ -118,6 +118,22 @@ def test_graph_loop_equals_plain_greedy_on_the_default_target(default_pair_fp32,
     assert equal == len(encoded) and batched_equal == len(encoded)
 
 
+def test_the_model_cards_call_runs_captured_rounds_and_equals_plain_greedy_on_the_default_target(default_pair_fp32):
+    """The model card's call (one prompt, default kwargs: no cache_implementation, no compile) takes DFlash 2's own
+    loop in captured graph rounds from its first call, and equals plain greedy token for token."""
+    target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
+    outs, loops, kinds = [], set(), set()
+    for ids in encoded:
+        outs.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, **greedy))
+        loops.add(drafter.last_stats.loop)
+        kinds.update(runner.kind for runner in drafter.round_runners(batch=1))
+    equal = sum(map(torch.equal, outs, plain))
+    print(f"\n[gpu fp32] the model card's call: loops {sorted(loops)}, rounds {sorted(kinds)}; identical to plain "
+          f"greedy {equal}/{len(encoded)}")
+    assert loops == {"dflash2"} and equal == len(encoded)
+    assert kinds and all(kind.startswith("graph") for kind in kinds)
+
+
 def test_default_loop_fused_ahead_of_time_equals_plain_greedy_on_the_default_target(default_pair_fp32, tmp_path,
                                                                                      monkeypatch):
     """The default (compile=None: fused in the background) after its switch: the round compiled ahead of time by the
