@@ -250,14 +250,22 @@ def converted_target(gguf_path: Path, dtype: torch.dtype, device_map=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = converted_folder(gguf_path, dtype)
-    if folder is not None and (folder / "config.json").is_file():
+
+    def converted():
         return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map),
                 AutoTokenizer.from_pretrained(folder))
+
+    if folder is not None and (folder / "config.json").is_file():
+        return converted()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
                                                  device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if folder is not None and device_map in (None, "cpu"):
         save_converted(model, tokenizer, folder)
+        if (folder / "config.json").is_file():
+            # the converting process runs the model later processes load: the same config (without the GGUF
+            # quantization entry), so the same fused-round packages (their key holds the target's config)
+            return converted()
     return model, tokenizer
 
 

@@ -15,7 +15,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "SmolLM2-135M-Instr
 
 
 @pytest.mark.slow
-def test_the_second_load_reads_the_converted_folder_with_the_same_weights_and_tokenizer(tmp_path, monkeypatch):
+def test_the_second_load_reads_the_converted_folder_with_the_same_weights_config_and_tokenizer(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM
 
@@ -38,6 +38,8 @@ def test_the_second_load_reads_the_converted_folder_with_the_same_weights_and_to
     first, second = converted.state_dict(), again.state_dict()
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert again.dtype == torch.float32 and again.generation_config.eos_token_id == converted.generation_config.eos_token_id
+    # the converting load and a later one give one config: a fused round built by the first process serves the next
+    assert converted.config.to_json_string() == again.config.to_json_string()
     chat = [{"role": "user", "content": "Write a function that adds two numbers."}]
     assert tokenizer_again.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(
         chat, add_generation_prompt=True)
