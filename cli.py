@@ -112,6 +112,9 @@ def command_generate(args) -> None:
         target.generate(ids, assistant_model=drafter, **{**kwargs, "max_new_tokens": 8})
     except ValueError as error:
         fail(str(error))
+    if device.type == "cpu" and not args.unfused:
+        fuse_on_cpu(target, drafter, ids, args.max_new_tokens)
+        target.generate(ids, assistant_model=drafter, **kwargs)  # the timed runs' shape: the fused round's load, check
     if not args.no_baseline:
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})
 
@@ -157,6 +160,8 @@ def command_generate(args) -> None:
         parts[-1] += f", {torch.get_num_threads()} thread" + ("s" if torch.get_num_threads() > 1 else "")
     parts[-1] += ", " + {"dflash2": "DFlash 2's own loop", "transformers": "transformers' assisted loop"}.get(
         drafter.last_stats.loop, "plain decoding")
+    if drafter.last_stats.loop == "dflash2":
+        parts[-1] += " (fused round)" if "fused" in (drafter.round_kind(1) or "") else " (unfused round)"
     print("[dflash2] " + " | ".join(parts), flush=True)
     eos = target.generation_config.eos_token_id
     eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
@@ -220,6 +225,25 @@ def command_train(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ precompile / cache
+def fuse_on_cpu(target, drafter, ids, max_new_tokens: int) -> None:
+    """On a CPU the fused round pays most (docs/benchmarks.md): find its package for this prompt's shape, or build it
+    once in a child process while this one waits (decoding beside the build would slow both)."""
+    import time
+
+    from dflash2.generation.fused_package import cache_dir
+    from dflash2.generation.loop import fuse_ahead
+
+    started = time.perf_counter()
+    print(f"dflash2: the fused round of this prompt's shape, from {cache_dir()}; the first run on a machine builds it "
+          "(a few minutes on 2 cores; --unfused skips it)...", file=sys.stderr, flush=True)
+    fusion = fuse_ahead(target, drafter, ids, max_new_tokens)
+    failure = fusion.job.failure() if fusion.job is not None else fusion.reason
+    if failure is not None:
+        print(f"dflash2: no fused round ({failure}); decoding unfused.", file=sys.stderr, flush=True)
+    elif fusion.job is not None:
+        print(f"dflash2: built in {time.perf_counter() - started:.0f} s.", file=sys.stderr, flush=True)
+
+
 def command_precompile(args) -> None:
     """Short calls with compile="background" for every batch size (and, with --max-length, every buffer capacity up
     to the one such a request needs), whose children build side by side; once all are done, a second call of each
@@ -359,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--repeats", type=positive_int, default=1,
                           help="timed runs of each side; above 1 the speedup is the median with its range")
     generate.add_argument("--no-baseline", action="store_true", help="skip the plain-generate comparison")
+    generate.add_argument("--unfused", action="store_true",
+                          help="on a CPU, skip the fused round (built once per shape and kept in dflash2's cache) and "
+                               "run the unfused one")
     generate.add_argument("--static", action="store_true",
                           help="static caches on both sides: DFlash 2's own loop (rounds and prefills captured as "
                                "CUDA graphs on a GPU) against compiled static-cache plain decoding")

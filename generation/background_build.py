@@ -161,9 +161,11 @@ class BackgroundFusion:
 
     `state`: "building" (a child is at work), "ready" (the package is there), "used" (the runner runs it), or
     "unfused" (it will not be used: `reason` says why). `process` is the child (None when none was started) and `log`
-    its log; `wait()` waits for it."""
+    its log; `wait()` waits for it. `build=False`: use a package on disk (built earlier, by another process or
+    shipped), start no child (a CPU's default: a child's compile would take the cores the caller decodes on); "absent"
+    while there is none."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, build: bool = True):
         self.core, self.process, self.log, self.job, self.reason = runner.core, None, None, None, None
         self.warned = False
         try:
@@ -180,8 +182,10 @@ class BackgroundFusion:
                 self.fall_back(f"an earlier build of this round failed with the same code and versions "
                                f"({first_line[0]}); `dflash2 cache clear` (or deleting {self.note}) lets the next "
                                "process try again")
-            else:
+            elif build:
                 self.start()
+            else:
+                self.state = "absent"  # quietly: nothing was asked to be built; a package may appear later
         except Exception as error:  # noqa: BLE001 - no build is worth failing a call
             self.fall_back(f"the build could not start ({type(error).__name__}: {error})")
 
@@ -214,6 +218,8 @@ class BackgroundFusion:
                           stacklevel=4)
 
     def advance(self, runner) -> None:
+        if self.state == "absent" and self.path.exists():
+            self.state = "ready"
         if self.state == "building":
             if not self.job.ready():
                 return

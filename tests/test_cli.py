@@ -213,7 +213,7 @@ NUMBER = r"\d+\.\d+"
 
 
 def test_generate_echoes_the_prompt_and_labels_a_single_run(tiny_pair, capsys):
-    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12"])
+    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12", "--unfused"])
     out, err = capsys.readouterr()
     assert "User: a b c\n\nAssistant: " in out
     assert "plain generate (the baseline for the speedup)" in err  # progress while the silent baseline runs
@@ -222,22 +222,36 @@ def test_generate_echoes_the_prompt_and_labels_a_single_run(tiny_pair, capsys):
     assert re.fullmatch(
         rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s \| plain generate {NUMBER} tok/s \| speedup "
         rf"{NUMBER}x \(one run: it swings with machine load; --repeats 5 gives the median and range\) \| identical to "
-        r"plain greedy \| cpu, float32, \d+ threads?, DFlash 2's own loop", stats[0]), stats[0]
+        r"plain greedy \| cpu, float32, \d+ threads?, DFlash 2's own loop \(unfused round\)", stats[0]), stats[0]
     assert "[dflash2] the answer stopped at --max-new-tokens 12, before its end; raise it for the whole answer." in out
 
 
 def test_generate_reports_median_and_range_over_repeats(tiny_pair, capsys):
-    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12", "--repeats", "3"])
+    cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12", "--repeats", "3", "--unfused"])
     out, err = capsys.readouterr()
     assert "plain generate 3/3 (the baseline for the speedup)" in err and "dflash2 2/3" in err
     stats = next(line for line in out.splitlines() if line.startswith("[dflash2] tau"))
     spread = rf"\(median of 3, range {NUMBER}-{NUMBER}\)"
     assert re.fullmatch(rf"\[dflash2\] tau {NUMBER} \| 12 tokens \| {NUMBER} tok/s {spread} \| plain generate "
                         rf"{NUMBER} tok/s {spread} \| speedup {NUMBER}x {spread} \| identical to plain greedy \| cpu, "
-                        r"float32, \d+ threads?, DFlash 2's own loop", stats), stats
+                        r"float32, \d+ threads?, DFlash 2's own loop \(unfused round\)", stats), stats
     low, high = map(float, re.findall(rf"speedup {NUMBER}x \(median of 3, range ({NUMBER})-({NUMBER})\)", stats)[0])
     median = float(re.search(rf"speedup ({NUMBER})x", stats).group(1))
     assert low <= median <= high
+
+
+def test_generate_on_a_cpu_builds_the_fused_round_once_and_runs_it(tiny_pair, tmp_path, monkeypatch, capsys):
+    """The fused round pays on a CPU: the first run builds its package for the prompt's shape (the process waiting),
+    later runs find it; the answer stays plain greedy's."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    for run in range(2):
+        cli.main(["generate", "--prompt", "a b c", "--max-new-tokens", "12"])
+        out, err = capsys.readouterr()
+        stats = next(line for line in out.splitlines() if line.startswith("[dflash2] tau"))
+        assert stats.endswith("| identical to plain greedy | cpu, float32, " + stats.split("cpu, float32, ")[1])
+        assert stats.endswith("DFlash 2's own loop (fused round)"), stats
+        assert ("dflash2: built in" in err) == (run == 0), err
+    assert len(list((tmp_path / "fused-rounds").glob("*.round"))) == 1
 
 
 def test_generate_refuses_a_prompt_longer_than_the_targets_context_in_one_line(tiny_pair, capsys):
@@ -253,7 +267,7 @@ def test_generate_stops_at_eos_without_the_max_new_tokens_note(tiny_pair, capsys
     end = next(i for i, token in enumerate(free) if i >= 2 and token not in free[:i])  # a token new at step end
     target.generation_config.eos_token_id = free[end]
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(free[end])
-    cli.main(["generate", "--prompt", "a b c", "--no-baseline"])
+    cli.main(["generate", "--prompt", "a b c", "--no-baseline", "--unfused"])
     out = capsys.readouterr().out
     assert f"| {end + 1} tokens |" in out and "before its end" not in out
 

@@ -216,6 +216,20 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     assert both(prompts[3]) is runner
     assert len(list(tmp_path.rglob("*.round"))) == 1
 
+    # a CPU's default (compile left out): the package on disk for the shape, else the unfused round and no child
+    drafter.release()
+    default = dict(max_new_tokens=24, do_sample=False, assistant_model=drafter, cache_implementation="static")
+    assert torch.equal(target.generate(prompts[3], **default), target.generate(prompts[3], max_new_tokens=24,
+                                                                               do_sample=False))
+    (runner,) = drafter.round_runners()
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+    longer = dict(default, max_new_tokens=300)  # more buffer columns: a shape with no package
+    assert torch.equal(target.generate(prompts[3], **longer), target.generate(prompts[3], max_new_tokens=300,
+                                                                              do_sample=False))
+    runner = drafter.round_runners()[-1]
+    assert runner.fusion.process is None and runner.kind == "eager" and runner.fusion.state == "absent"
+    assert len(list(tmp_path.rglob("*.round"))) == 1
+
 
 @pytest.mark.slow
 def test_the_child_finishes_after_its_caller_has_exited(tmp_path, monkeypatch):
@@ -638,21 +652,21 @@ def test_the_check_refuses_a_drafter_on_other_weights():
     assert differences and all(d.startswith("draft_cache.") for d in differences), differences
 
 
-@pytest.mark.parametrize("graphs,compile,background", [(True, None, True), (False, None, False), (True, False, False),
-                                                       (False, "background", True), (True, True, False)])
-def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypatch, graphs, compile, background):
-    """compile=None (the default) means "background" on one CUDA device (rounds captured: `graphs`) and False
-    elsewhere; an explicit choice is kept. (The runner and the child are stand-ins: this checks the choice alone.)"""
+@pytest.mark.parametrize("graphs,compile,fusion", [(True, None, "build"), (False, None, "found"), (True, False, None),
+                                                   (False, "background", "build"), (True, True, None)])
+def test_the_default_fuses_in_the_background_where_rounds_are_captured(monkeypatch, graphs, compile, fusion):
+    """compile=None (the default) means "background" on one CUDA device (rounds captured: `graphs`); elsewhere a
+    package already on disk, with no build; an explicit choice is kept. (The runner and the fusion are stand-ins:
+    this checks the choice alone.)"""
     from dflash2.generation import loop
 
-    made = []
     monkeypatch.setattr(loop, "RoundRunner", lambda core, mode, capture: type("Runner", (), dict(
         core=core, mode=mode, fusion=None))())
-    monkeypatch.setattr(loop, "BackgroundFusion", lambda runner: made.append(runner) or "building")
+    monkeypatch.setattr(loop, "BackgroundFusion", lambda runner, build: "build" if build else "found")
     target = tiny_target("llama", seed=2)
     drafter = tiny_drafter(target, seed=3, block_size=4).attach(target)
     runner = loop.round_runner_for(target, drafter, 1, 40, compile, graphs)
-    assert (runner.fusion == "building") is background and len(made) == int(background)
+    assert runner.fusion == fusion
     assert runner.mode == ("compile" if compile is True else ("graph" if graphs else "eager"))
 
 

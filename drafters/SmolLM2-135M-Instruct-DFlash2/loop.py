@@ -2,8 +2,8 @@
 """DFlash 2's own decoding loop around the round core: prefill, queue rounds, read the token stream, stop.
 
 `target.generate(..., assistant_model=drafter)` lands here for a batch (left-padded rows, each accepting its own
-number of drafts) and for one prompt with `cache_implementation="static"`; one prompt without it runs in transformers'
-assisted loop (`candidate_generator.py`), which honours every logits processor.
+number of drafts) and for one prompt wherever this loop honours the call (`dispatch.py`); the rest runs in
+transformers' assisted loop (`candidate_generator.py`), which honours every logits processor.
 
 The host reads the device once every few rounds: how many tokens each row has and whether it is done (EOS or
 max_new_tokens). Rounds queued between two reads never overshoot max_new_tokens (at most a block per round), and a
@@ -64,10 +64,9 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
 
     tree_nodes = drafter.config.tree_nodes if tree_nodes is None else tree_nodes
     check_tree_nodes(tree_nodes, drafter.config)
-    bucket = 1 << (batch - 1).bit_length()  # batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty
-    block = drafter.config.block_size
+    bucket = batch_bucket(batch)
     graphs = uses_graphs(target, drafter)
-    needed = prefill_width(length, block, bucketed=graphs) + max_new_tokens + columns_per_round(block, tree_nodes)
+    needed = columns_needed(drafter.config, length, max_new_tokens, tree_nodes, graphs)
     earlier = past_key_values.core() if isinstance(past_key_values, LoopCache) else None
     runner = round_runner_for(target, drafter, bucket, needed, compile, graphs, tree_nodes, prefer=earlier)
     if bucket > batch:  # empty rows: no real token, done from the start
@@ -157,6 +156,36 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
 
 
+def batch_bucket(batch: int) -> int:
+    """Batch buckets 1, 2, 4, 8, ...: rows beyond the batch are empty."""
+    return 1 << (batch - 1).bit_length()
+
+
+def columns_needed(config, length: int, max_new_tokens: int, tree_nodes: int, graphs: bool) -> int:
+    """Buffer columns a request of `length` prompt tokens and `max_new_tokens` needs."""
+    block = config.block_size
+    return prefill_width(length, block, bucketed=graphs) + max_new_tokens + columns_per_round(block, tree_nodes)
+
+
+def fuse_ahead(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, tree_nodes: int | None = None,
+               timeout: float | None = None):
+    """The fused round for calls of this shape (`input_ids` [b, P], `max_new_tokens`): found on disk, or built by a
+    child process while this one waits, decoding nothing (on a CPU a build beside decoding slows both several times).
+    Later calls of the shape with the default `compile` load it, check it and run it. Returns the `BackgroundFusion`
+    (its `job` and `log` say how a build went)."""
+    tree_nodes = drafter.config.tree_nodes if tree_nodes is None else tree_nodes
+    check_tree_nodes(tree_nodes, drafter.config)
+    graphs = uses_graphs(target, drafter)
+    needed = columns_needed(drafter.config, input_ids.shape[1], max_new_tokens, tree_nodes, graphs)
+    runner = round_runner_for(target, drafter, batch_bucket(input_ids.shape[0]), needed, "background", graphs,
+                              tree_nodes)
+    runner.fusion.wait(timeout)
+    cores = runners_of(drafter)
+    for key in [key for key, kept in cores.items() if kept is runner]:
+        cores.pop(key).release()  # the package is on disk; the call that needs it loads and checks it
+    return runner.fusion
+
+
 def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | str | None, graphs: bool,
                      tree_nodes: int = 0, prefer: RoundCore | None = None):
     """The runner (and its core) for this shape: one per (target, batch bucket, mode, tree size, capacity), built at
@@ -172,14 +201,15 @@ def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | s
     # CPU or a target spread over devices: plain calls, or inductor when compile=True.
     # compile="background": as with compile=False, until a package compiled ahead of time replaces it
     # (background_build.py).
-    # The default (None): "background" where rounds are captured (one CUDA device), False elsewhere.
+    # The default (None): "background" where rounds are captured (one CUDA device); elsewhere a package already on
+    # disk for this shape (`dflash2 precompile`, `dflash2 generate` on a CPU) when there is one, else unfused.
     if compile not in (None, False, True, "background"):
         raise ValueError(f"compile={compile!r}: use True (fuse the round now, waiting for inductor), 'background' (fuse "
                          "it ahead of time in a child process while decoding unfused), or False (never fuse).")
     if compile is None:
-        compile = "background" if graphs else False
+        compile = "background" if graphs else "found"
     mode = "compile" if compile is True else ("graph" if graphs else "eager")
-    shape = (id(target), batch, mode, compile == "background", tree_nodes)
+    shape = (id(target), batch, mode, compile if isinstance(compile, str) else None, tree_nodes)
     fitting = sorted((key for key, runner in cores.items() if key[:-1] == shape and key[-1] >= needed),
                      key=lambda key: (cores[key].core is not prefer, key[-1]))
     if fitting:
@@ -192,8 +222,8 @@ def round_runner_for(target, drafter, batch: int, needed: int, compile: bool | s
         key = shape + (capacity,)
         core = RoundCore(target, drafter, batch, capacity, bucketed_prefill=graphs, tree_nodes=tree_nodes)
         runner = RoundRunner(core, mode, capture=graphs)
-        if compile == "background":
-            runner.fusion = BackgroundFusion(runner)
+        if isinstance(compile, str):
+            runner.fusion = BackgroundFusion(runner, build=compile == "background")
     cores[key] = runner  # the most recently used last
     return runner
 
