@@ -245,13 +245,13 @@ def fuse_on_cpu(target, drafter, ids, max_new_tokens: int) -> None:
 
 
 def command_precompile(args) -> None:
-    """Short calls with compile="background" for every batch size (and, with --max-length, every buffer capacity up
-    to the one such a request needs), whose children build side by side; once all are done, a second call of each
-    shape switches to its package (and, with --artifacts, exports it): the packages are on disk for every later
-    process with the same shapes."""
+    """A build for every batch size (and, with --max-length, every buffer capacity up to the one such a request
+    needs), the children side by side while this process decodes nothing; once all are done, a call of each shape
+    switches to its package (and, with --artifacts, exports it): the packages are on disk for every later process with
+    the same shapes."""
     import torch
 
-    from dflash2.generation.loop import capacity_for, uses_graphs
+    from dflash2.generation.loop import batch_bucket, capacity_for, fuse_ahead, uses_graphs
     from dflash2.generation.round_core import columns_per_round, prefill_width
     from dflash2.tasks import chat_prompt_ids
 
@@ -275,14 +275,14 @@ def command_precompile(args) -> None:
         target.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=max_new_tokens,
                         assistant_model=drafter, pad_token_id=tokenizer.eos_token_id, cache_implementation="static",
                         compile="background", **sampling)
-        return drafter.round_runners(1 << (batch - 1).bit_length())[-1]
+        return drafter.round_runners(batch_bucket(batch))[-1]
 
-    builds = [call(*shape).fusion for shape in shapes]  # every child starts now: the builds run side by side
+    builds = [fuse_ahead(target, drafter, ids.expand(batch, -1), max_new_tokens, wait=False)
+              for batch, max_new_tokens in shapes]  # every child starts now: the builds run side by side
     print(f"dflash2: building the fused round of {len(shapes)} shape(s) side by side (a minute or more)...",
           file=sys.stderr, flush=True)
     for build in builds:
-        if build is not None:
-            build.wait()
+        build.wait()
     exported = []
     for batch, max_new_tokens in shapes:
         runner = call(batch, max_new_tokens)  # switches to the package (a runner let go meanwhile finds it on disk)

@@ -168,18 +168,19 @@ def columns_needed(config, length: int, max_new_tokens: int, tree_nodes: int, gr
 
 
 def fuse_ahead(target, drafter, input_ids: torch.Tensor, max_new_tokens: int, tree_nodes: int | None = None,
-               timeout: float | None = None):
+               timeout: float | None = None, wait: bool = True):
     """The fused round for calls of this shape (`input_ids` [b, P], `max_new_tokens`): found on disk, or built by a
-    child process while this one waits, decoding nothing (on a CPU a build beside decoding slows both several times).
-    Later calls of the shape with the default `compile` load it, check it and run it. Returns the `BackgroundFusion`
-    (its `job` and `log` say how a build went)."""
+    child process while this one waits (`wait`), decoding nothing (on a CPU a build beside decoding slows both several
+    times). Later calls of the shape with the default `compile` load it, check it and run it. Returns the
+    `BackgroundFusion` (its `job` and `log` say how a build went; `wait()` waits for it)."""
     tree_nodes = drafter.config.tree_nodes if tree_nodes is None else tree_nodes
     check_tree_nodes(tree_nodes, drafter.config)
     graphs = uses_graphs(target, drafter)
     needed = columns_needed(drafter.config, input_ids.shape[1], max_new_tokens, tree_nodes, graphs)
     runner = round_runner_for(target, drafter, batch_bucket(input_ids.shape[0]), needed, "background", graphs,
                               tree_nodes)
-    runner.fusion.wait(timeout)
+    if wait:
+        runner.fusion.wait(timeout)
     cores = runners_of(drafter)
     for key in [key for key, kept in cores.items() if kept is runner]:
         cores.pop(key).release()  # the package is on disk; the call that needs it loads and checks it
