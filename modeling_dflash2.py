@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -702,11 +702,6 @@ def cache_keyword(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def new_draft_cache() -> DynamicCache:
-    """A plain growing cache: sliding windows are applied by mask, so no layer may drop old keys."""
-    return DynamicCache()
 
 
 __all__ = ["CACHE_NAME", "DFlash2Config", "DFlash2DraftModel", "DFlash2PreTrainedModel"]

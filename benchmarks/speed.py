@@ -41,6 +41,9 @@ import torch  # noqa: E402
 from dflash2.benchmarks.common import finish_report, settle, synchronize, wall_timed, write_report  # noqa: E402
 
 
+METHODS = ("dflash2", "plain", "plain-graph", "dflash2-card", "dflash2-assisted")  # in the cold start's order
+
+
 def timed(target, ids, device, **kwargs):
     return wall_timed(lambda: target.generate(ids, **kwargs), device)
 
@@ -65,7 +68,7 @@ def main(argv=None):
     parser.add_argument("--skip-math", type=int, default=0, help="math word problems to leave out first")
     parser.add_argument("--tasks", default="humaneval,mtbench", help="comma-separated tasks of dflash2.tasks.TASKS "
                         "(humaneval, mtbench, math); the first one's first prompt is the cold-start call's")
-    parser.add_argument("--first", choices=("dflash2", "plain"), default="dflash2", help="method called first")
+    parser.add_argument("--first", choices=METHODS, default="dflash2", help="method called first")
     fusion = parser.add_mutually_exclusive_group()
     fusion.add_argument("--compile", action="store_const", const=True, help="DFlash 2 with compile=True: the "
                         "inductor-fused round, compiled on the first call, captured as a CUDA graph")
@@ -141,8 +144,7 @@ def main(argv=None):
     # of HumanEval), then every prompt once, as a user's first minutes go.
     sections = set(args.sections.split(","))
     selected = args.methods.split(",")
-    order = [m for m in [args.first, "plain" if args.first == "dflash2" else "dflash2", "plain-graph", "dflash2-card",
-                         "dflash2-assisted"] if m in selected]
+    order = [m for m in dict.fromkeys([args.first, *METHODS]) if m in selected]
     cold, first_pass = {}, []
     for method in order if "cold" in sections else []:
         _, seconds, tokens, _ = call(method, encoded[tasks[0]][0])
@@ -240,47 +242,46 @@ def assisted_round_split(call, encoded, target, device) -> dict:
     shape; each part is timed between device synchronisations, which adds a little to the whole."""
     from dflash2.generation import DFlash2CandidateGenerator
 
-    spent = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}
+    spent, started, forwards = {"draft": 0.0, "verify": 0.0, "prefill": 0.0}, [0.0], [0]
 
-    def timed_part(part, function):
-        def wrapper(*args, **kwargs):
-            synchronize(device)
-            started = time.perf_counter()
-            out = function(*args, **kwargs)
-            synchronize(device)
-            spent[part if part != "forward" else ("verify" if forwards[0] else "prefill")] += (
-                time.perf_counter() - started)
-            return out
-        return wrapper
+    def begin(*_):
+        synchronize(device)
+        started[0] = time.perf_counter()
 
-    get_candidates = DFlash2CandidateGenerator.get_candidates
-    total, rounds, calls, forwards = 0.0, 0, 0, [0]
+    def end(part):
+        synchronize(device)
+        spent[part] += time.perf_counter() - started[0]
+
+    def timed_draft(*args, **kwargs):
+        begin()
+        out = get_candidates(*args, **kwargs)
+        end("draft")
+        return out
+
+    def forward_done(*_):
+        end("verify" if forwards[0] else "prefill")
+        forwards[0] += 1
+
+    get_candidates, total, rounds, calls = DFlash2CandidateGenerator.get_candidates, 0.0, 0, 0
+    hooks = [target.register_forward_pre_hook(begin), target.register_forward_hook(forward_done)]
+    DFlash2CandidateGenerator.get_candidates = timed_draft
     try:
-        DFlash2CandidateGenerator.get_candidates = timed_part("draft", get_candidates)
-        for items in encoded.values():
-            for ids in items:
-                call("dflash2-assisted", ids, max_new_tokens=2)  # untimed: this prompt's shapes once
-                forwards[0] = 0
-                forward = timed_part("forward", target.forward)
-
-                def counted(*args, **kwargs):
-                    out = forward(*args, **kwargs)
-                    forwards[0] += 1
-                    return out
-
-                target.forward = counted
-                try:
-                    _, seconds, _, stats = call("dflash2-assisted", ids)
-                finally:
-                    del target.forward
-                total, rounds, calls = total + seconds, rounds + stats.drafting_rounds, calls + 1
+        for ids in [ids for items in encoded.values() for ids in items]:
+            before = dict(spent)
+            call("dflash2-assisted", ids, max_new_tokens=2)  # untimed: this prompt's shapes once
+            spent.update(before)
+            forwards[0] = 0
+            _, seconds, _, stats = call("dflash2-assisted", ids)
+            total, rounds, calls = total + seconds, rounds + stats.drafting_rounds, calls + 1
     finally:
         DFlash2CandidateGenerator.get_candidates = get_candidates
+        for hook in hooks:
+            hook.remove()
     rounds = max(rounds, 1)
     rest = total - spent["draft"] - spent["verify"] - spent["prefill"]
     return {"calls": calls, "rounds": rounds, "round_ms": round(1000 * (total - spent["prefill"]) / rounds, 3),
             "draft_ms": round(1000 * spent["draft"] / rounds, 3), "verify_ms": round(1000 * spent["verify"] / rounds, 3),
-            "rest_ms": round(1000 * rest / rounds, 3),
+            "rest_ms": round(1000 * rest / rounds, 3), "draft_step": stats.draft_step if calls else None,
             "prefill_ms_per_call": round(1000 * spent["prefill"] / max(calls, 1), 3)}
 
 

@@ -28,7 +28,6 @@ pool". Fusion therefore never runs beside decoding in the caller's process: with
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
@@ -49,7 +48,6 @@ class CapturedGraph:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        started = time.perf_counter()
         # As inductor's cudagraph trees do: drop cuBLAS's cached workspaces first, so the workspace this capture needs
         # is allocated in the graph's own pool and stays valid for its replays. A graph that had baked in a workspace
         # from the general pool is exposed to anyone who clears them later -- cudagraph trees do, before each of their
@@ -58,7 +56,6 @@ class CapturedGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             fn()
         clear_cublas_workspaces()
-        self.capture_seconds = time.perf_counter() - started
 
     def __call__(self) -> None:
         self.graph.replay()

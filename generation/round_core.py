@@ -148,6 +148,14 @@ class ColumnCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
+    def grow(self, capacity: int) -> None:
+        """At least `capacity` columns from now on; the columns held keep their keys/values (new buffers)."""
+        if capacity > self.capacity:
+            for buffers in (self.keys, self.values):
+                buffers[:] = [None if b is None else torch.nn.functional.pad(b, (0, 0, 0, capacity - self.capacity))
+                              for b in buffers]
+            self.capacity = capacity
+
     def row_view(self, row: int) -> "ColumnCache":
         """This cache's row `row` alone: every layer's buffers sliced to that row (views: writes land here)."""
         view = ColumnCache(len(self.keys), self.capacity, self.append_unwritten)
@@ -171,7 +179,56 @@ def column_index(buffer: torch.Tensor, columns: torch.Tensor) -> tuple:
             columns.to(device)[:, None, :])
 
 
-class RoundCore:
+class DraftCore:
+    """The drafter's side of a round over fixed buffers, for `batch` rows of `capacity` columns: its context cache (a
+    `ColumnCache`), the last verified block's features and where they go, and the block [anchor, MASK ...] it denoises
+    (`draft_block`). `RoundCore` adds the target's side; transformers' assisted loop drives one alone
+    (`candidate_generator.py`), which passes the cache an earlier turn filled as `draft_cache`."""
+
+    def __init__(self, drafter, batch: int, capacity: int, draft_cache: ColumnCache | None = None):
+        config = drafter.config
+        self.drafter, self.batch, self.capacity, self.block_size = drafter, batch, capacity, config.block_size
+        self.device = device = drafter.device
+        self.draft_cache = draft_cache or ColumnCache(config.num_hidden_layers, capacity, append_unwritten=True)
+        block, long = self.block_size, dict(dtype=torch.long, device=device)
+        self.columns = torch.arange(capacity, **long)  # [capacity]
+        self.offsets = torch.arange(block, **long)  # [B]
+        self.mask_row = torch.full((1, block - 1), config.mask_token_id, **long)
+        self.anchor = torch.zeros(batch, **long)  # last emitted token: row 0 of the next block
+        self.start = torch.zeros(batch, **long)  # column of the anchor
+        self.first_column = torch.zeros(batch, **long)  # first real (unpadded) column
+        self.context_columns = torch.zeros(batch, block, **long)  # columns of `features`, the last verified block
+        self.features = torch.zeros(batch, block, config.num_target_taps * config.target_hidden_size,
+                                    dtype=drafter.dtype, device=device)
+
+    def draft_block(self) -> torch.Tensor:
+        """Store the last block's features in the drafter's context and denoise [anchor, MASK ...] at `start`.
+        Returns the block's final hidden states [b, B, H]."""
+        visible = (self.columns >= self.first_column.view(-1, 1)) & (self.columns < self.start.view(-1, 1))
+        return self.denoise(self.features, self.context_columns, self.start.view(-1, 1) + self.offsets, visible)
+
+    def store_context(self, features: torch.Tensor, columns: torch.Tensor) -> None:
+        """Write features [b, n, taps*H] into the drafter's context at `columns` [b, n] (one drafter pass whose block
+        rows see only themselves and are thrown away)."""
+        hidden = torch.zeros(self.batch, self.capacity, dtype=torch.bool, device=self.device)
+        self.denoise(features, columns, columns[:, -1:] + 1 + self.offsets, hidden)
+
+    def denoise(self, features, columns, block_columns, visible) -> torch.Tensor:
+        """One drafter pass: `features` [b, n, taps*H] written into the context at `columns` [b, n], and the block
+        [anchor, MASK ...] at `block_columns` [b, B], which sees the buffer's columns where `visible` [b, capacity]
+        and the whole block. Returns the block's final hidden states [b, B, H]."""
+        drafter, batch, first = self.drafter, self.batch, self.first_column.view(-1, 1)
+        block_ids = torch.cat([self.anchor.view(-1, 1), self.mask_row.expand(batch, -1)], dim=1)
+        self.draft_cache.set_write_columns(columns)
+        key_columns = torch.cat([self.columns.expand(batch, -1), block_columns], dim=1)  # buffer, then the block
+        visible = torch.cat([visible, torch.ones_like(block_columns, dtype=torch.bool)], dim=1)
+        masks = drafter.attention_masks(block_columns - first, key_columns - first, visible)
+        positions = (torch.cat([columns, block_columns], dim=1) - first).clamp(min=0)
+        return drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
+                       position_ids=positions, attention_mask=masks, cache=self.draft_cache).last_hidden_state
+
+
+class RoundCore(DraftCore):
     """Fixed buffers and fixed-shape rounds for (target, drafter, batch, capacity, tree size), greedy and sampled; the
     settings of a request are written into its tensors (`set_sampling`).
 
@@ -181,41 +238,31 @@ class RoundCore:
     def __init__(self, target, drafter, batch: int, capacity: int, bucketed_prefill: bool = False, tree_nodes: int = 0):
         config = drafter.config
         check_target_fits(target)
-        self.target, self.drafter = target, drafter
-        self.batch, self.capacity, self.block_size = batch, capacity, config.block_size
+        super().__init__(drafter, batch, capacity)
+        self.target = target
         self.tree_width = config.tree_width
         check_tree_nodes(tree_nodes, config)
         self.tree_nodes = tree_nodes
         self.round_columns = columns_per_round(config.block_size, tree_nodes)
         self.layer_ids = list(config.target_layer_ids)
-        self.device = device = drafter.device
+        device = self.device
         self.cache_keyword = cache_keyword(target)
         text = target.config.get_text_config()
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self.target_window = text.sliding_window if "sliding_attention" in layer_types else None
         self.target_dtype = target.dtype  # of the additive masks the target is given
         self.target_cache = ColumnCache(text.num_hidden_layers, capacity, append_unwritten=False)
-        self.draft_cache = ColumnCache(config.num_hidden_layers, capacity, append_unwritten=True)
         self.serial = 0  # requests prefilled so far: what the buffers hold belongs to the latest
 
         block, long = self.block_size, dict(dtype=torch.long, device=device)
-        self.columns = torch.arange(capacity, **long)  # [capacity]
-        self.offsets = torch.arange(block, **long)  # [B]
         self.node_offsets = torch.arange(max(tree_nodes, 1), **long)  # [N]: a tree's nodes, one column each
-        self.mask_row = torch.full((1, block - 1), config.mask_token_id, **long)
         # ---- the request's settings (`set_sampling`): which round runs, each row's warping, the EOS ids (-1: none)
         self.do_sample = False
         self.temperature = torch.ones(batch, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(batch, **long)  # 0: off
         self.top_p = torch.ones(batch, dtype=torch.float64, device=device)  # 1.0: off
         self.eos = torch.tensor(padded_eos_ids(()), **long)  # [MAX_EOS_TOKENS]
-        # ---- state of every row, advanced in place by each round
-        self.anchor = torch.zeros(batch, **long)  # last emitted token: row 0 of the next block
-        self.start = torch.zeros(batch, **long)  # column of the anchor
-        self.first_column = torch.zeros(batch, **long)  # first real (unpadded) column
-        self.context_columns = torch.zeros(batch, block, **long)  # columns of `features`, the last verified block
-        self.features = torch.zeros(batch, block, config.num_target_taps * config.target_hidden_size,
-                                    dtype=drafter.dtype, device=device)
+        # ---- state of every row beside the drafter's (`DraftCore`), advanced in place by each round
         self.max_new_tokens = torch.zeros(batch, **long)  # per row: a row admitted alone (`admit`) has its own
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         # ---- what the rounds emitted: max_new_tokens fits in capacity, and a round writes one block past the end
@@ -261,22 +308,6 @@ class RoundCore:
         return {"full_attention": full, "sliding_attention": additive_mask(sliding[:, None], self.target_dtype)}
 
     # ------------------------------------------------------------------------------------------ one round
-    def draft_block(self) -> torch.Tensor:
-        """Store the last block's features in the drafter's context and denoise [anchor, MASK ...] at `start`.
-        Returns the block's final hidden states [b, B, H]."""
-        drafter, batch = self.drafter, self.batch
-        first = self.first_column.view(-1, 1)
-        block_columns = self.start.view(-1, 1) + self.offsets  # [b, B]
-        block_ids = torch.cat([self.anchor.view(-1, 1), self.mask_row.expand(batch, -1)], dim=1)
-        self.draft_cache.set_write_columns(self.context_columns)
-        key_columns = torch.cat([self.columns.expand(batch, -1), block_columns], dim=1)  # buffer, then the block
-        visible = torch.cat([(self.columns >= first) & (self.columns < self.start.view(-1, 1)),
-                             torch.ones_like(block_columns, dtype=torch.bool)], dim=1)
-        masks = drafter.attention_masks(block_columns - first, key_columns - first, visible)
-        positions = torch.cat([self.context_columns, block_columns], dim=1) - first
-        return drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=self.features,
-                       position_ids=positions, attention_mask=masks, cache=self.draft_cache).last_hidden_state
-
     def propose(self, hidden: torch.Tensor, sampled: bool = False):
         """Drafts [b, B-1] from the denoised block (selector walk), and their proposal distribution; `sampled`: a
         sample of each row's walk at its temperature, drawn with `draft_noise`."""
@@ -625,22 +656,6 @@ class RoundCore:
         self.done.copy_(is_any_of(token, self.eos) | (max_new_tokens <= 1))
         self.rounds.zero_()
         self.accepted_per_position.zero_()
-
-    def store_context(self, features: torch.Tensor, columns: torch.Tensor) -> None:
-        """Write features [b, n, taps*H] into the drafter's context at `columns` [b, n] (one drafter pass whose block
-        rows see only themselves and are thrown away)."""
-        drafter, batch = self.drafter, self.batch
-        first = self.first_column.view(-1, 1)
-        block_columns = columns[:, -1:] + 1 + self.offsets
-        self.draft_cache.set_write_columns(columns)
-        key_columns = torch.cat([self.columns.expand(batch, -1), block_columns], dim=1)
-        visible = torch.cat([torch.zeros(batch, self.capacity, dtype=torch.bool, device=self.device),
-                             torch.ones_like(block_columns, dtype=torch.bool)], dim=1)
-        block_ids = torch.cat([self.anchor.view(-1, 1), self.mask_row.expand(batch, -1)], dim=1)
-        drafter(noise_embeds=drafter.embed_block(block_ids), context_hidden_states=features,
-                position_ids=(torch.cat([columns, block_columns], dim=1) - first).clamp(min=0),
-                attention_mask=drafter.attention_masks(block_columns - first, key_columns - first, visible),
-                cache=self.draft_cache)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

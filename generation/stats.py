@@ -12,6 +12,7 @@ class DFlash2Stats:
     For a batch every count is per row (`rows` sequences): tau is then the mean tokens a row gains per verification.
     `loop` names the loop that ran the call: "dflash2" (DFlash 2's own loop), "transformers" (transformers'
     assisted loop; `loop_reason` says why) or "plain" (a batch above the speculative limit, decoded without drafts).
+    In transformers' loop, `draft_step` says how the drafter's step ran: "graph" (a replayed CUDA graph) or "eager".
     """
 
     block_size: int
@@ -21,6 +22,7 @@ class DFlash2Stats:
     accepted_per_position: list[int] = field(default_factory=list)
     loop: str = "transformers"
     loop_reason: str | None = None
+    draft_step: str | None = None
 
     def __post_init__(self):
         if not self.accepted_per_position:

@@ -378,13 +378,15 @@ def test_speed_times_the_model_cards_call_and_splits_the_assisted_loops_round(mo
     monkeypatch.setattr("dflash2.tasks.task_categories", lambda task, n, skip=0: ["x", "y"])
     monkeypatch.setattr("dflash2.tasks.chat_prompt_ids", lambda tokenizer, prompt: [5, 6, 7, 8 + len(prompt)])
     report = speed.main(["--methods", "dflash2,dflash2-card,dflash2-assisted", "--sections", "cold,steady,assisted",
-                         "--tasks", "mtbench", "--num-prompts", "2", "--device", "cpu", "--max-new-tokens", "24"])
+                         "--tasks", "mtbench", "--num-prompts", "2", "--device", "cpu", "--max-new-tokens", "24",
+                         "--first", "dflash2-card"])
+    assert report["cold_start"]["order"] == ["dflash2-card", "dflash2", "dflash2-assisted"]
     assert report["first_pass_tokens_per_s"]["dflash2-card_over_own_loop"] > 0
     steady = report["steady"]["mtbench"]
     assert steady["dflash2-card"]["outputs"] == steady["dflash2"]["outputs"] == steady["dflash2-assisted"]["outputs"]
     assert steady["dflash2-card_over_own_loop"] > 0 and steady["dflash2-assisted_over_own_loop"] > 0
     split = report["assisted_round_split"]
-    assert split["calls"] == 2 and split["rounds"] > 0
+    assert split["calls"] == 2 and split["rounds"] > 0 and split["draft_step"] == "eager"
     assert split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["prefill_ms_per_call"] > 0
     assert abs(split["draft_ms"] + split["verify_ms"] + split["rest_ms"] - split["round_ms"]) < 0.01
     assert drafter.last_stats.loop == "transformers"

@@ -134,6 +134,44 @@ def test_the_model_cards_call_runs_captured_rounds_and_equals_plain_greedy_on_th
     assert kinds and all(kind.startswith("graph") for kind in kinds)
 
 
+def test_transformers_loop_replays_the_drafting_step_and_equals_plain_greedy_on_the_default_target(default_pair_fp32,
+                                                                                                 monkeypatch):
+    """transformers' assisted loop (`loop="transformers"`, the loop of a target spread by device_map): the drafter's
+    step is a replayed CUDA graph, our candidate generator reads nothing back from the device after its first round
+    (transformers 5.18 and later: 5.17's loop needs the drafts cut at EOS on the host), and the output equals plain
+    greedy token for token."""
+    import transformers
+    from packaging.version import Version
+
+    from dflash2.generation import DFlash2CandidateGenerator
+
+    target, tokenizer, drafter, greedy, encoded, plain = default_pair_fp32
+    no_host_read = Version(transformers.__version__).release >= (5, 18)
+    get_candidates, checked = DFlash2CandidateGenerator.get_candidates, []
+
+    def get_candidates_without_sync(self, *args, **kwargs):
+        if self.step is None or not no_host_read:  # the first round stores the prompt and captures the step
+            return get_candidates(self, *args, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")  # any device-to-host read raises
+        try:
+            return get_candidates(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(True)
+
+    monkeypatch.setattr(DFlash2CandidateGenerator, "get_candidates", get_candidates_without_sync)
+    outs, steps = [], set()
+    for ids in encoded:
+        outs.append(target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                    loop="transformers", **greedy))
+        steps.add(drafter.last_stats.draft_step)
+    equal = sum(map(torch.equal, outs, plain))
+    print(f"\n[gpu fp32] transformers' loop: drafting step {sorted(steps)}, rounds checked for host reads "
+          f"{len(checked)}; identical to plain greedy {equal}/{len(encoded)}")
+    assert steps == {"graph"} and equal == len(encoded)
+    assert len(checked) > len(encoded) or not no_host_read
+
+
 def test_default_loop_fused_ahead_of_time_equals_plain_greedy_on_the_default_target(default_pair_fp32, tmp_path,
                                                                                      monkeypatch):
     """The default (compile=None: fused in the background) after its switch: the round compiled ahead of time by the

@@ -164,9 +164,9 @@ def test_forward_with_cache_equals_forward_over_whole_context():
     features = torch.randn(1, 10, 3 * 64)
     block = torch.tensor([[9] + [drafter.config.mask_token_id] * 3])
     whole = drafter(input_ids=block, context_hidden_states=features, position_ids=torch.arange(14)[None])
-    from dflash2.modeling_dflash2 import new_draft_cache
+    from transformers.cache_utils import DynamicCache
 
-    cache = new_draft_cache()
+    cache = DynamicCache()  # a plain growing cache: the drafter applies sliding windows by mask
     drafter(input_ids=block, context_hidden_states=features[:, :6], position_ids=torch.arange(10)[None], cache=cache)
     cache.crop(-4)
     assert cache.get_seq_length() == 6

@@ -211,7 +211,7 @@ def test_batched_loop_equals_plain_greedy_and_reference(case, round_core_oracle)
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_assisted_loop_equals_plain_greedy_and_reference(case, monkeypatch):
-    """transformers' assisted loop with our candidate generator (its own growing draft cache, no explicit mask)."""
+    """transformers' assisted loop with our candidate generator (the drafter side of the own loop's buffers)."""
     target, drafter = make_case(*case, seed=5)
     prompt = prompts_for(5, 1)[0]
     reference = plain_new_tokens(target, prompt, 20)
@@ -220,7 +220,7 @@ def test_assisted_loop_equals_plain_greedy_and_reference(case, monkeypatch):
 
     def recording_draft_block(self, anchor_ids, features):
         hidden = draft_block(self, anchor_ids, features)
-        records.append((0, self.context_length, hidden[0].clone()))
+        records.append((0, self.context.length, hidden[0].clone()))
         return hidden
 
     def oracle_get_candidates(self, input_ids, *args, **kwargs):
@@ -235,7 +235,7 @@ def test_assisted_loop_equals_plain_greedy_and_reference(case, monkeypatch):
     out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
                           max_new_tokens=20, eos_token_id=None, loop="transformers")
     assert out[0, len(prompt):].tolist() == reference
-    assert drafter.last_stats.accepted_per_position[0] > 0
+    assert drafter.last_stats.accepted_per_position[0] > 0 and drafter.last_stats.draft_step == "eager"
     check_against_reference(target, drafter, records, [prompt + reference])
 
 

@@ -5,13 +5,17 @@ Each round: take the target's hidden states of the newly verified positions from
 append them to the drafter's context cache, denoise one block `[anchor, MASK x (B-1)]`, and let the selector walk a
 path through the top-k candidates. The loop then verifies the block with one target forward.
 
+The drafter's side runs on the fixed buffers of a `DraftCore` (the own loop's drafter side): every round has the same
+shapes, so on a GPU its step is a CUDA graph replayed each round (`DraftStep`), and nothing is read back from the
+device (but on transformers 5.17, whose loop does not end accepted tokens at a drafted EOS: `cut_after_eos`).
+
 A later turn of a conversation passes the target cache of the earlier turn back (`past_key_values=out.past_key_values`).
 The drafter's context travels with that cache (`DraftContext`, an attribute of the cache object, so a `copy.deepcopy` of
 the cache copies it too): the turn crops the target cache back to the verified positions the drafter holds (a block and
 a token short of the cache at most), and the loop encodes only what follows
 (`transformers_patches.encode_only_uncached`). A cache the drafter did not fill (plain `generate`, another drafter,
 other tokens) is emptied: the turn encodes the whole conversation. A cache whose sliding-window layers dropped keys
-cannot be cropped: the drafter then skips what it lacks.
+cannot be cropped: the drafter's context then starts after the positions it lacks.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .modeling_dflash2 import CACHE_NAME, draft_gumbel, new_draft_cache, tap_target_features
+from .modeling_dflash2 import CACHE_NAME, draft_gumbel, tap_target_features
+from .graphs import CapturedGraph
+from .round_core import ColumnCache, DraftCore
 from .stats import DFlash2Stats
+from .transformers_patches import assisted_loop_cuts_at_eos, target_cache_of
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -35,7 +42,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
         self.layer_ids = list(drafter.config.target_layer_ids)
-        self.mask_token_id = drafter.config.mask_token_id
         self.vocab_size = drafter.config.vocab_size
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
@@ -44,9 +50,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.eos_token_ids = eos.flatten().tolist() if eos is not None else []
         self.model_kwargs_overrides = {"output_hidden_states": True}
         self.context = continued_context(drafter, target_cache_of(model_kwargs), input_ids,
-                                         mask_length(model_kwargs, generation_config))
-        self.cache = self.context.cache
-        self.first_round = True  # the first drafting round of this call follows its prefill
+                                         mask_length(model_kwargs, generation_config), self.max_length + self.block_size)
+        self.core = DraftCore(drafter, 1, self.context.cache.capacity, self.context.cache)
+        self.core.first_column.fill_(self.context.first)
+        self.step = None  # the drafting step (`DraftStep`), built in the first round, which follows the prefill
         self.prompt_length = input_ids.shape[1] if input_ids is not None else None
         self.stats = DFlash2Stats(self.block_size)
         drafter.last_stats = self.stats
@@ -69,44 +76,39 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
         # rows of the last target forward that are now verified: what the prefill encoded, else anchor + accepted
         self.context.tokens = input_ids
-        num_new = input_ids.shape[1] - 1 - self.context_length if self.first_round else int(n_last_matches) + 1
-        self.first_round = False
+        num_new = input_ids.shape[1] - 1 - self.context.length if self.step is None else int(n_last_matches) + 1
         features = tap_target_features(model_outputs.hidden_states, self.layer_ids, slice(0, num_new))
         block_hidden = self.draft_block(input_ids[:, -1], features)
-        proposal = self.drafter.propose(
-            input_ids[:, -1],
-            block_hidden,
-            gumbel=draft_gumbel(self.drafter, block_hidden.shape[0]) if self.do_sample else None,
-            transform=self._processor_transform(input_ids) if self.logits_processor is not None else None,
-        )
-        drafts = cut_after_eos(proposal.tokens[:, :room], self.eos_token_ids)
-        candidate_logits = proposal.proposal_logits[:, : drafts.shape[1]] if self.do_sample else None
+        drafts, candidate_logits = self.step.tokens, None
+        if drafts is None:  # sampling, or the target's logits processors: the walk runs eagerly
+            transform = self._processor_transform(input_ids) if self.logits_processor is not None else None
+            gumbel = draft_gumbel(self.drafter, 1) if self.do_sample else None
+            proposal = self.drafter.propose(input_ids[:, -1], block_hidden, gumbel=gumbel, transform=transform)
+            drafts, candidate_logits = proposal.tokens, proposal.proposal_logits if self.do_sample else None
+        drafts = drafts[:, :room]
+        if not assisted_loop_cuts_at_eos():
+            drafts = cut_after_eos(drafts, self.eos_token_ids)
+        candidate_logits = candidate_logits[:, : drafts.shape[1]] if candidate_logits is not None else None
         return torch.cat([input_ids, drafts.to(input_ids.device)], dim=-1), candidate_logits
 
+    @torch.no_grad()
     def draft_block(self, anchor_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Append `features` to the draft context, denoise [anchor, MASK...], keep only the context in the cache."""
-        drafter = self.drafter
-        num_new = features.shape[1]
-        block_ids = torch.full((anchor_ids.shape[0], self.block_size), self.mask_token_id, dtype=torch.long,
-                               device=anchor_ids.device)
-        block_ids[:, 0] = anchor_ids
-        positions = torch.arange(self.context_length, self.context_length + num_new + self.block_size,
-                                 device=drafter.device).unsqueeze(0)
-        with torch.no_grad():
-            hidden = drafter(
-                noise_embeds=drafter.embed_block(block_ids),
-                context_hidden_states=features,
-                position_ids=positions,
-                cache=self.cache,
-            ).last_hidden_state
-        self.context.length += num_new
-        self.cache.crop(-self.block_size)  # the block was appended after the context: drop it
-        return hidden
-
-    @property
-    def context_length(self) -> int:
-        """Verified positions whose keys/values the draft cache holds."""
-        return self.context.length
+        """Append `features` [1, n, taps*H] to the draft context and denoise [anchor, MASK ...] after it: the block's
+        hidden states [1, B, H]. The core's state is written in place (no host read), then the step runs."""
+        core, length = self.core, self.context.length
+        earlier = features.shape[1] - self.block_size
+        if earlier > 0:  # a prefill's positions before its last block: stored once, eagerly
+            core.store_context(features[:, :earlier], core.columns[length: length + earlier].view(1, -1))
+            length, features = length + earlier, features[:, earlier:]
+        core.features[:, : features.shape[1]].copy_(features)  # later rows: stale, at columns no mask shows
+        core.context_columns.copy_(core.offsets + length)
+        core.start.fill_(length + features.shape[1])
+        core.anchor.copy_(anchor_ids)
+        self.context.length = length + features.shape[1]
+        if self.step is None:
+            self.step = DraftStep(core, greedy=not self.do_sample and self.logits_processor is None)
+            self.stats.draft_step = "graph" if self.step.graph is not None else "eager"
+        return self.step()
 
     def _processor_transform(self, input_ids):
         """Apply the target's logits processors (temperature, top-k/p, penalties...) to each draft row's scores."""
@@ -129,23 +131,43 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.context.tokens = input_ids
 
 
+class DraftStep:
+    """The drafter's step of a round on a `DraftCore`: `draft_block`, then (`greedy`) the selector's argmax walk. Its
+    outputs `hidden` [1, B, H] and `tokens` [1, B-1] (None unless greedy) are fixed tensors, rewritten by each call.
+    Replayed from a CUDA graph where `drafts_capturable`, else run eagerly."""
+
+    def __init__(self, core: DraftCore, greedy: bool):
+        self.core, self.greedy = core, greedy
+        self.graph = CapturedGraph(self.run) if drafts_capturable(core.drafter) else None
+
+    def run(self) -> None:
+        hidden = self.core.draft_block()
+        self.hidden, self.tokens = hidden, self.core.drafter.propose(self.core.anchor, hidden).tokens if (
+            self.greedy) else None
+
+    def __call__(self) -> torch.Tensor:
+        self.run() if self.graph is None else self.graph()
+        return self.hidden
+
+
+def drafts_capturable(drafter) -> bool:
+    """Whether the drafting step can be a CUDA graph: the drafter and the target parts it borrows (embeddings, LM
+    head) compute on one CUDA device (weights offloaded by accelerate sit on "meta": no)."""
+    parts = (drafter._target_part("embed"), drafter._target_part("head"))
+    return drafter.device.type == "cuda" and all(part.weight.device == drafter.device for part in parts)
+
+
 # ------------------------------------------------------------------------------------------------ multi-turn
 @dataclass
 class DraftContext:
     """The drafter's context cache beside a target cache: `length` verified positions, of the tokens
-    `tokens[:, :length]` ([1, >= length]), drafted by the drafter `drafter()`."""
+    `tokens[:, :length]` ([1, >= length]), drafted by the drafter `drafter()`; columns before `first` hide from it."""
 
     drafter: weakref.ref
-    cache: object
+    cache: ColumnCache
     length: int = 0
     tokens: torch.Tensor | None = None
-
-
-def target_cache_of(model_kwargs) -> object | None:
-    """The target cache of a generate call's model kwargs (`cache` from transformers 5.24, else `past_key_values`)."""
-    model_kwargs = model_kwargs or {}
-    cache = model_kwargs.get("cache")
-    return cache if cache is not None else model_kwargs.get("past_key_values")
+    first: int = 0
 
 
 def mask_length(model_kwargs, generation_config) -> int | None:
@@ -154,15 +176,15 @@ def mask_length(model_kwargs, generation_config) -> int | None:
     return mask.shape[-1] if mask is not None else getattr(generation_config, "_mask_length", None)
 
 
-def continued_context(drafter, target_cache, input_ids, mask_columns: int | None = None) -> DraftContext:
+def continued_context(drafter, target_cache, input_ids, mask_columns: int | None, capacity: int) -> DraftContext:
     """The drafter's context for a call whose target cache is `target_cache` (a new one, or one an earlier turn filled).
 
     An earlier turn's context continues when it was drafted by this drafter over the same leading tokens; the target
     cache is then cropped back to the positions that context holds, so the prefill encodes their hidden states anew.
     Any other non-empty cache is emptied (the whole conversation is encoded once more). The context is stored on the
-    target cache, where the next turn finds it.
+    target cache, where the next turn finds it. Its cache holds at least `capacity` columns.
     """
-    context = DraftContext(weakref.ref(drafter), new_draft_cache())
+    context = DraftContext(weakref.ref(drafter), ColumnCache(drafter.config.num_hidden_layers, capacity, True))
     if target_cache is None:
         return context
     cached = target_cache.get_seq_length()
@@ -176,15 +198,15 @@ def continued_context(drafter, target_cache, input_ids, mask_columns: int | None
         keep = reusable_length(earlier, drafter, input_ids, cached)
         if keep > 0:
             context = earlier
-            crop_to(context.cache, keep)
+            context.cache.grow(capacity)
             context.length = keep
         if keep == 0:
             check_layer_count(target_cache, drafter.config.num_target_layers)
             target_cache.reset()  # the whole conversation again (also a cache of another model's shapes)
         elif holds_every_position(target_cache):
             crop_to(target_cache, keep)
-        else:  # no going back: the drafter's context skips the positions it lacks (fewer drafts accepted, same tokens)
-            context.length = cached
+        else:  # no going back: the drafter's context starts after the positions it lacks (same tokens)
+            context.length = context.first = cached
     target_cache.dflash2_context = context
     return context
 

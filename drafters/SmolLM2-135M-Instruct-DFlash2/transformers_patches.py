@@ -16,8 +16,8 @@ Only a target instance changes, never a class or a module of transformers:
    generator instance, which lives for one call (`count_rounds_of`): counts its rounds into `drafter.last_stats`.
 
 `target.__dict__["_dflash2_drafter"]` holds the attached drafter (not a submodule of the target); `unpatch_target`
-removes it too. One version branch, within the range pyproject.toml declares (transformers>=5.17,<6):
-`assisted_loop_rolls_state_back` (5.25 and later).
+removes it too. Version branches, within the range pyproject.toml declares (transformers>=5.17,<6):
+`assisted_loop_rolls_state_back` (5.25 and later), `assisted_loop_cuts_at_eos` (5.18 and later), `target_cache_of`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import contextlib
 import functools
 
 import transformers
+from packaging.version import Version
 
-from .candidate_generator import target_cache_of
 from .stats import DFlash2Stats
 
 PATCHED = ("_get_candidate_generator", "generate")
@@ -105,9 +105,20 @@ def count_rounds_of(generator, drafter, prompt_length: int) -> None:
     generator.update_candidate_strategy = update_candidate_strategy
 
 
+def target_cache_of(model_kwargs) -> object | None:
+    """The target cache of a generate call's model kwargs (`cache` from transformers 5.24, else `past_key_values`)."""
+    model_kwargs = model_kwargs or {}
+    cache = model_kwargs.get("cache")
+    return cache if cache is not None else model_kwargs.get("past_key_values")
+
+
+def assisted_loop_cuts_at_eos() -> bool:
+    """Whether transformers' assisted loop ends the tokens it accepts at their first EOS (5.18 and later). Before, a
+    round that accepted a drafted EOS went on past it, so the drafts themselves must end at their first EOS."""
+    return Version(transformers.__version__).release >= (5, 18)
+
+
 def assisted_loop_rolls_state_back() -> bool:
     """Whether transformers' assisted loop verifies drafts for targets with recurrent layers (linear attention,
     Mamba): from 5.25 it records their states and rolls them back; before, it refused them."""
-    from packaging.version import Version
-
     return Version(transformers.__version__).release >= (5, 25)
