@@ -359,12 +359,13 @@ def command_serve(args) -> None:
         args.drafter = args.drafter_folder
     target, tokenizer, drafter = load_pair(args)  # a mistake in the arguments ends here, in one line
     engine = Engine(target, tokenizer, drafter, rows=args.rows, max_model_len=args.max_model_len,
-                    max_queue=args.max_queue)
+                    max_queue=args.max_queue, speculate=not args.plain)
     name = args.served_model_name or Path(args.drafter).name
     default = Sampling(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     app = create_app(engine, name, api_key=args.api_key, default=default, default_max_tokens=args.max_new_tokens)
-    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, rounds "
-          f"{engine.runner.kind}, context {engine.max_model_len} tokens)", file=sys.stderr, flush=True)
+    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, "
+          f"{'no speculation, ' if args.plain else ''}rounds {engine.runner.kind}, context {engine.max_model_len} "
+          "tokens)", file=sys.stderr, flush=True)
     run_server(app, engine, args.host, args.port, log_level=args.log_level)
 
 
@@ -452,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rows", type=positive_int, default=8, help="requests decoded at once (rows of the round)")
     serve.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting for a row; beyond it a request gets HTTP 429")
+    serve.add_argument("--plain", action="store_true", help="decode without speculation: the same server, rows and "
+                       "batching, one target forward per token (the reference the drafter is measured against)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                        help="uvicorn's log level")
     serve.set_defaults(run=command_serve)

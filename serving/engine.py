@@ -14,6 +14,9 @@ tokens never depend on what runs beside it: greedy requests equal plain greedy d
 draws the same noise, round after round, wherever it sits.
 
 The engine runs in one thread of its own; requests talk to it through `submit` and the callbacks they carry.
+
+`speculate=False` (`dflash2 serve --plain`) runs the same rows, buffers and batching without drafting (`PlainCore`:
+a round is one target forward per row), the reference the server's speed is measured against.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.loop import MAX_RUNNERS, round_runner_for, uses_graphs
-from ..generation.round_core import columns_per_round, prefill_width
-from ..generation.sampling import Sampling, eos_token_ids
+from ..generation.graphs import RoundRunner
+from ..generation.loop import MAX_RUNNERS, capacity_for, round_runner_for, uses_graphs
+from ..generation.round_core import RoundCore, columns_per_round, prefill_width
+from ..generation.sampling import Sampling, eos_token_ids, is_any_of, row_warped_logits
 from ..generation.stats import truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the rows' tokens
+PLAIN_ROUNDS_PER_READ = 16  # the same without speculation (one token a round): about what 4 rounds emit at tau 4
 DEFAULT_ROWS = 8
 DEFAULT_MAX_QUEUE = 64
 
@@ -67,6 +72,47 @@ class GenerationRequest:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class PlainCore(RoundCore):
+    """A `RoundCore` whose rounds do not speculate: each is one target forward of every row's last token, whose next
+    token is the argmax (`round`) or a sample of the row's warped distribution (`sampled_round`: the Gumbel-max trick
+    with `bonus_noise`, which `draw_noise` fills). The rows, buffers, admission and host reads are the core's, so the
+    server runs the same way without its drafter."""
+
+    @torch.no_grad()
+    def round(self) -> None:
+        logits, _ = self.verify(self.anchor.view(-1, 1))
+        self.emit(logits[:, -1].argmax(-1))
+
+    @torch.no_grad()
+    def sampled_round(self) -> None:
+        logits, _ = self.verify(self.anchor.view(-1, 1))
+        warped = row_warped_logits(logits[:, -1], self.temperature, self.top_k, self.top_p)
+        self.emit((warped + self.bonus_noise).argmax(-1))
+
+    def emit(self, token: torch.Tensor) -> None:
+        """Each live row's next token [b] into its output, then its state advances; finished rows freeze."""
+        live = ~self.done
+        slots = self.output_length.view(-1, 1).clamp(max=self.output.shape[1] - 1)
+        self.output.scatter_(1, slots, token.view(-1, 1))  # a frozen row writes only past its length
+        self.rounds.add_(live.long())
+        self.output_length.add_(live.long())
+        self.done.logical_or_(live & (is_any_of(token, self.eos) | (self.output_length >= self.max_new_tokens)))
+        self.start.add_(live.long())
+        self.anchor.copy_(torch.where(live, token, self.anchor))
+
+    def store_context(self, features: torch.Tensor, columns: torch.Tensor) -> None:
+        """Nothing drafts: only the first prefill, which builds the buffers (row views slice them), runs the drafter."""
+        if self.draft_cache.keys[0] is None:
+            super().store_context(features, columns)
+
+
+def plain_runner(target, drafter, batch: int, needed: int, compile: bool | None, graphs: bool) -> RoundRunner:
+    """A runner of a `PlainCore`: captured graphs of its eager kernels where rounds are captured (inductor-fused
+    first with `compile=True`), plain calls elsewhere."""
+    core = PlainCore(target, drafter, batch, capacity_for(needed, graphs), bucketed_prefill=graphs)
+    return RoundRunner(core, "compile" if compile is True else "graph" if graphs else "eager", capture=graphs)
 
 
 class RowSet:
@@ -129,7 +175,7 @@ class Engine:
 
     def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = 2048,
                  max_queue: int = DEFAULT_MAX_QUEUE, compile: bool | str | None = None,
-                 rounds_per_read: int = ROUNDS_PER_READ):
+                 rounds_per_read: int = ROUNDS_PER_READ, speculate: bool = True):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.rows, self.max_queue, self.rounds_per_read = rows, max_queue, rounds_per_read
         limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
@@ -138,6 +184,7 @@ class Engine:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
         config = drafter.config
         self.block_size = config.block_size
+        self.emitted_per_round = config.block_size if speculate else 1  # at most, per row
         self.graphs = uses_graphs(target, drafter)
         # Buffers of `max_model_len` columns (rounded up as the own loop rounds capacities): a round attends over all
         # of them. A request needs its prompt's prefill width (left-padded to a bucket where prefills are captured),
@@ -146,8 +193,13 @@ class Engine:
         self.reserve = columns_per_round(config.block_size, config.tree_nodes) + config.block_size
         # batch sizes 1, 2, 4, ... and `rows`: at most the runners a drafter keeps (the largest of them)
         sizes = sorted({min(1 << power, rows) for power in range(rows.bit_length() + 1)})[-MAX_RUNNERS:]
-        self.row_sets = [RowSet(round_runner_for(target, drafter, size, self.max_model_len, compile, self.graphs,
-                                                 config.tree_nodes), self.eos) for size in sizes]
+        if speculate:
+            runners = [round_runner_for(target, drafter, size, self.max_model_len, compile, self.graphs,
+                                        config.tree_nodes) for size in sizes]
+        else:
+            self.rounds_per_read = PLAIN_ROUNDS_PER_READ
+            runners = [plain_runner(target, drafter, size, self.max_model_len, compile, self.graphs) for size in sizes]
+        self.row_sets = [RowSet(runner, self.eos) for runner in runners]
         self.active = self.row_sets[0]
         self.waiting: collections.deque[GenerationRequest] = collections.deque()
         self.condition = threading.Condition()
@@ -321,7 +373,7 @@ class Engine:
         core, batch = rows.core, rows.batch
         first = min(len(request.tokens) for request in active)
         last = min(core.output.shape[1], max(len(request.tokens) for request in active) + 1
-                   + self.rounds_per_read * self.block_size)
+                   + self.rounds_per_read * self.emitted_per_round)
         values = torch.cat([core.done.long(), core.output_length, core.rounds,
                             core.output[:, first: last].flatten()]).tolist()
         done, lengths, rounds = values[:batch], values[batch: 2 * batch], values[2 * batch: 3 * batch]

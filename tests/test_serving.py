@@ -221,6 +221,40 @@ def test_seeded_sampled_request_is_the_same_alone_and_among_seven_others(tiny):
     assert answers[1] == plain_greedy(target, tokenizer, [{"role": "user", "content": PROMPTS[1]}], 11)
 
 
+def test_the_server_without_speculation_answers_as_plain_greedy_one_forward_per_token(tokenizer):
+    """`dflash2 serve --plain` (`speculate=False`): the same rows and batching, one target forward per token. Six
+    concurrent greedy clients get their plain greedy answers, a seeded sampled request is the same alone and beside
+    them, and tau is exactly 1."""
+    target, drafter = tiny_pair(tokenizer)
+    server = RunningServer(Engine(target, tokenizer, drafter, rows=4, max_model_len=512, speculate=False), MODEL)
+    try:
+        settings = dict(temperature=0.9, top_p=0.95, seed=7)
+        alone = chat(server.client, "Tell me a story.", 12, **settings).choices[0].message.content
+        limits = [5 + 3 * i for i in range(6)]
+        expected = [plain_greedy(target, tokenizer, [{"role": "user", "content": p}], n)
+                    for p, n in zip(PROMPTS, limits)]
+        answers = {}
+
+        def ask(index):
+            if index == len(limits):
+                answers[index] = chat(server.client, "Tell me a story.", 12, **settings).choices[0].message.content
+            else:
+                answers[index] = chat(server.client, PROMPTS[index], limits[index],
+                                      temperature=0).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(limits) + 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [answers[i] for i in range(len(limits))] == expected
+        assert answers[len(limits)] == alone
+        assert metric(server.url, "dflash2_completion_tokens_total") == metric(server.url,
+                                                                              "dflash2_target_forwards_total")
+    finally:
+        server.close()
+
+
 def test_a_later_turn_reuses_the_rows_cache_and_equals_plain_greedy_on_the_whole_conversation(tiny):
     server, target, tokenizer = tiny
     conversation = [{"role": "user", "content": "Describe the sea."}]
