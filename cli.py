@@ -363,9 +363,9 @@ def command_serve(args) -> None:
     name = args.served_model_name or Path(args.drafter).name
     default = Sampling(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     app = create_app(engine, name, api_key=args.api_key, default=default, default_max_tokens=args.max_new_tokens)
-    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, "
-          f"{'no speculation, ' if args.plain else ''}rounds {engine.runner.kind}, context {engine.max_model_len} "
-          "tokens)", file=sys.stderr, flush=True)
+    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, rounds {engine.runner.kind}"
+          f"{' without speculation' if args.plain else ''}, context {engine.max_model_len} tokens)", file=sys.stderr,
+          flush=True)
     run_server(app, engine, args.host, args.port, log_level=args.log_level)
 
 

@@ -40,8 +40,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     def __init__(self, drafter, generation_config, logits_processor=None, input_ids=None, model_kwargs=None):
         self.drafter = drafter
         self.block_size = drafter.config.block_size
-        self.layer_ids = list(drafter.config.target_layer_ids)
-        self.vocab_size = drafter.config.vocab_size
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
@@ -53,7 +51,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.core = DraftCore(drafter, 1, self.context.cache.capacity, self.context.cache)
         self.core.first_column.fill_(self.context.first)
         self.step = None  # the drafting step (`DraftStep`), built in the first round, which follows the prefill
-        self.prompt_length = input_ids.shape[1] if input_ids is not None else None
+        self.prompt_length = input_ids.shape[1]
         self.stats = DFlash2Stats(self.block_size)
         drafter.last_stats = self.stats
 
@@ -65,8 +63,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     # ------------------------------------------------------------------------------------------ one round
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
-        if self.prompt_length is None:
-            self.prompt_length = input_ids.shape[1]
         if model_outputs is None:  # the loop's first forward is the target's prefill
             return input_ids, None
         room = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
@@ -76,7 +72,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         # rows of the last target forward that are now verified: what the prefill encoded, else anchor + accepted
         self.context.tokens = input_ids
         num_new = input_ids.shape[1] - 1 - self.context.length if self.step is None else int(n_last_matches) + 1
-        features = tap_target_features(model_outputs.hidden_states, self.layer_ids, slice(0, num_new))
+        features = tap_target_features(model_outputs.hidden_states, self.drafter.config.target_layer_ids,
+                                       slice(0, num_new))
         block_hidden = self.draft_block(input_ids[:, -1], features)
         drafts, candidate_logits = self.step.tokens, None
         if drafts is None:  # sampling, or the target's logits processors: the walk runs eagerly
@@ -111,7 +108,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     def _processor_transform(self, input_ids):
         """Apply the target's logits processors (temperature, top-k/p, penalties...) to each draft row's scores."""
-        processors, vocab = self.logits_processor, self.vocab_size
+        processors, vocab = self.logits_processor, self.drafter.config.vocab_size
 
         def transform(t, drafted, scores, candidates=None):
             prefix = torch.cat([input_ids, drafted.to(input_ids.device)], dim=-1)

@@ -316,9 +316,9 @@ class RoundCore(DraftCore):
                                     transform=draft_temperature(self.temperature) if sampled else None)
 
     def verify(self, block: torch.Tensor):
-        """One target forward over the block at columns start .. start+B-1: fp32 logits [b, B, V] and the tapped
-        features [b, B, taps*H] of its rows."""
-        block_columns = self.start.view(-1, 1) + self.offsets
+        """One target forward over the block [b, n] (n <= B) at columns start .. start+n-1: fp32 logits [b, n, V] and
+        the tapped features [b, n, taps*H] of its rows."""
+        block_columns = self.start.view(-1, 1) + self.offsets[: block.shape[1]]
         self.target_cache.set_write_columns(block_columns)
         out = self.target(input_ids=block, position_ids=block_columns - self.first_column.view(-1, 1),
                           attention_mask=self.target_masks(block_columns), use_cache=True, output_hidden_states=True,
