@@ -71,6 +71,27 @@ def test_greedy_equals_plain_greedy(arch, identity, seed, oracle):
         assert stats.target_forwards <= stats.completion_tokens
 
 
+def test_the_drafters_buffers_grow_mid_call_and_stay_exact(oracle, monkeypatch):
+    """transformers' loop sizes the drafter's buffers for the prompt and 256 new tokens, and doubles them when the
+    context outgrows them: a long answer crosses that bound and still equals plain greedy, drafts accepted after it."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=8).attach(target)
+    ids = torch.randint(4, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    sizes, core_of = [], DFlash2CandidateGenerator.core_of
+
+    def recording_core_of(self, columns):
+        core = core_of(self, columns)
+        sizes.append(core.capacity)
+        return core
+
+    monkeypatch.setattr(DFlash2CandidateGenerator, "core_of", recording_core_of)
+    oracle["reference"] = reference = plain_greedy(target, ids, max_new_tokens=400, eos_token_id=None)
+    out = plain_greedy(target, ids, max_new_tokens=400, eos_token_id=None, assistant_model=drafter, loop="transformers")
+    assert torch.equal(out, reference)
+    assert sizes[0] == 9 + 256 + 8 and len(sizes) == 2 and sizes[1] == 9 + 400 + 8  # grew once, to the call's end
+    assert drafter.last_stats.accepted_per_position[-1] > 0
+
+
 def test_oracle_drafts_raise_acceptance(oracle):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=8).attach(target)

@@ -48,9 +48,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.eos_token_ids = eos.flatten().tolist() if eos is not None else []
         self.model_kwargs_overrides = {"output_hidden_states": True}
         self.context = continued_context(drafter, target_cache_of(model_kwargs), input_ids,
-                                         mask_length(model_kwargs, generation_config), self.max_length + self.block_size)
-        self.core = DraftCore(drafter, 1, self.context.cache.capacity, self.context.cache)
-        self.core.first_column.fill_(self.context.first)
+                                         mask_length(model_kwargs, generation_config))
+        self.core = self.core_of(input_ids.shape[1] + 256 + self.block_size)  # 256 new tokens, then it grows
         self.step = None  # the drafting step (`DraftStep`), built in the first round, which follows the prefill
         self.prompt_length = input_ids.shape[1]
         self.stats = DFlash2Stats(self.block_size)
@@ -92,8 +91,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     def draft_block(self, anchor_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Append `features` [1, n, taps*H] to the draft context and denoise [anchor, MASK ...] after it: the block's
         hidden states [1, B, H]. The core's state is written in place (no host read), then the step runs."""
-        core, length = self.core, self.context.length
-        earlier = features.shape[1] - self.block_size
+        length, needed = self.context.length, self.context.length + features.shape[1] + self.block_size
+        if needed > self.core.capacity:  # the buffers double (a new step is captured over them)
+            self.core = self.core_of(2 * needed)
+        core, earlier = self.core, features.shape[1] - self.block_size
         if earlier > 0:  # a prefill's positions before its last block: stored once, eagerly
             core.store_context(features[:, :earlier], core.columns[length: length + earlier].view(1, -1))
             length, features = length + earlier, features[:, earlier:]
@@ -102,10 +103,18 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         core.start.fill_(length + features.shape[1])
         core.anchor.copy_(anchor_ids)
         self.context.length = length + features.shape[1]
-        if self.step is None:
+        if self.step is None or self.step.core is not core:
             self.step = DraftStep(core, greedy=not self.do_sample and self.logits_processor is None)
             self.stats.draft_step = "graph" if self.step.graph is not None else "eager"
         return self.step()
+
+    def core_of(self, columns: int) -> DraftCore:
+        """The drafter's fixed buffers over the context's cache, grown to `columns` (at most the call's max length and a
+        block): a step attends over all of them, so they grow as the context does."""
+        self.context.cache.grow(min(columns, self.max_length + self.block_size))
+        core = DraftCore(self.drafter, 1, self.context.cache.capacity, self.context.cache)
+        core.first_column.fill_(self.context.first)
+        return core
 
     def _processor_transform(self, input_ids):
         """Apply the target's logits processors (temperature, top-k/p, penalties...) to each draft row's scores."""
@@ -138,9 +147,8 @@ class DraftStep:
         self.graph = CapturedGraph(self.run) if drafts_capturable(core.drafter) else None
 
     def run(self) -> None:
-        hidden = self.core.draft_block()
-        self.hidden, self.tokens = hidden, self.core.drafter.propose(self.core.anchor, hidden).tokens if (
-            self.greedy) else None
+        self.hidden = self.core.draft_block()
+        self.tokens = self.core.drafter.propose(self.core.anchor, self.hidden).tokens if self.greedy else None
 
     def __call__(self) -> torch.Tensor:
         self.run() if self.graph is None else self.graph()
@@ -173,15 +181,15 @@ def mask_length(model_kwargs, generation_config) -> int | None:
     return mask.shape[-1] if mask is not None else getattr(generation_config, "_mask_length", None)
 
 
-def continued_context(drafter, target_cache, input_ids, mask_columns: int | None, capacity: int) -> DraftContext:
+def continued_context(drafter, target_cache, input_ids, mask_columns: int | None = None) -> DraftContext:
     """The drafter's context for a call whose target cache is `target_cache` (a new one, or one an earlier turn filled).
 
     An earlier turn's context continues when it was drafted by this drafter over the same leading tokens; the target
     cache is then cropped back to the positions that context holds, so the prefill encodes their hidden states anew.
     Any other non-empty cache is emptied (the whole conversation is encoded once more). The context is stored on the
-    target cache, where the next turn finds it. Its cache holds at least `capacity` columns.
+    target cache, where the next turn finds it.
     """
-    context = DraftContext(weakref.ref(drafter), ColumnCache(drafter.config.num_hidden_layers, capacity, True))
+    context = DraftContext(weakref.ref(drafter), ColumnCache(drafter.config.num_hidden_layers, 0, True))
     if target_cache is None:
         return context
     cached = target_cache.get_seq_length()
@@ -195,13 +203,13 @@ def continued_context(drafter, target_cache, input_ids, mask_columns: int | None
         keep = reusable_length(earlier, drafter, input_ids, cached)
         if keep > 0:
             context = earlier
-            context.cache.grow(capacity)
             context.length = keep
         if keep == 0:
             check_layer_count(target_cache, drafter.config.num_target_layers)
             target_cache.reset()  # the whole conversation again (also a cache of another model's shapes)
         elif holds_every_position(target_cache):
-            crop_to(target_cache, keep)
+            if keep < cached:  # `crop` takes how many to remove (transformers 5.18 on)
+                target_cache.crop(keep - cached)
         else:  # no going back: the drafter's context starts after the positions it lacks (same tokens)
             context.length = context.first = cached
     target_cache.dflash2_context = context
@@ -216,13 +224,6 @@ def check_layer_count(cache, num_layers: int | None) -> None:
         raise ValueError(
             f"The cache passed as {CACHE_NAME} has {len(layers)} layers and the target {num_layers}: another model "
             f"filled it. Pass the cache this target's generate returned (out.{CACHE_NAME}), or none.")
-
-
-def crop_to(cache, length: int) -> None:
-    """Keep the first `length` positions of a transformers cache (`crop` takes how many to remove, from 5.18 on)."""
-    surplus = cache.get_seq_length() - length
-    if surplus > 0:
-        cache.crop(-surplus)
 
 
 def holds_every_position(cache) -> bool:

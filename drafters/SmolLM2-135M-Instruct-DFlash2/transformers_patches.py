@@ -107,9 +107,8 @@ def count_rounds_of(generator, drafter, prompt_length: int) -> None:
 
 def target_cache_of(model_kwargs) -> object | None:
     """The target cache of a generate call's model kwargs (`cache` from transformers 5.24, else `past_key_values`)."""
-    model_kwargs = model_kwargs or {}
-    cache = model_kwargs.get("cache")
-    return cache if cache is not None else model_kwargs.get("past_key_values")
+    cache = (model_kwargs or {}).get("cache")
+    return cache if cache is not None else (model_kwargs or {}).get("past_key_values")
 
 
 def assisted_loop_cuts_at_eos() -> bool:
