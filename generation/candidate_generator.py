@@ -44,7 +44,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         eos = generation_config._eos_token_tensor if hasattr(generation_config, "_eos_token_tensor") else None
-        self.eos_token_ids = eos.flatten().tolist() if eos is not None else []
+        # the EOS ids the drafts are cut at: none where the loop ends accepted tokens at an EOS itself (no host read)
+        self.eos_token_ids = eos.flatten().tolist() if eos is not None and not assisted_loop_cuts_at_eos() else []
         self.model_kwargs_overrides = {"output_hidden_states": True}
         self.context = continued_context(drafter, target_cache_of(model_kwargs), input_ids,
                                          mask_length(model_kwargs, generation_config))
@@ -80,9 +81,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             gumbel = draft_gumbel(self.drafter, 1) if self.do_sample else None
             proposal = self.drafter.propose(input_ids[:, -1], block_hidden, gumbel=gumbel, transform=transform)
             drafts, candidate_logits = proposal.tokens, proposal.proposal_logits if self.do_sample else None
-        drafts = drafts[:, :room]
-        if not assisted_loop_cuts_at_eos():
-            drafts = cut_after_eos(drafts, self.eos_token_ids)
+        drafts = cut_after_eos(drafts[:, :room], self.eos_token_ids)
         candidate_logits = candidate_logits[:, : drafts.shape[1]] if candidate_logits is not None else None
         return torch.cat([input_ids, drafts.to(input_ids.device)], dim=-1), candidate_logits
 
