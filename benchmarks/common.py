@@ -46,12 +46,12 @@ def wall_timed(function, *devices):
     return out, time.perf_counter() - started
 
 
-def settle(drafter, again) -> float:
+def settle(drafter, again) -> float | None:
     """compile="background" (the default on one CUDA device): wait for every child still building a fused round, then
     `again()` (a call) switches to it, so that what is timed next is the loop a user has after the switch. Returns
-    the seconds waited (0 when nothing was building)."""
+    the seconds spent waiting and switching, None when no runner had a switch ahead of it."""
     started = time.perf_counter()
     if not drafter.wait_for_fusion():
-        return 0.0
+        return None
     again()
     return round(time.perf_counter() - started, 1)

@@ -174,7 +174,7 @@ def main(argv=None):
     steady = {}
     if "steady" in sections:
         warmed = warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)
-        if any(is_dflash2(method) for method in selected) and settle(drafter, lambda: None):
+        if any(is_dflash2(method) for method in selected) and settle(drafter, lambda: None) is not None:
             warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)  # switch to the fused
         results["steady_warm_up_calls"] = warmed
         if any(is_dflash2(method) for method in selected):  # `round_kind` above: the first call's, before any switch

@@ -66,7 +66,7 @@ class DFlash2Drafter(DFlash2DraftModel):
     def wait_for_fusion(self, timeout: float | None = None) -> bool:
         """Wait until no child is building a fused round for this drafter (compile="background", the default on one
         CUDA device); the next call of each runner then switches to its fused round, or falls back with one warning.
-        Returns whether there was a build to wait for."""
+        Returns whether a next call switches (a build was under way, or one finished since the runner's last call)."""
         waited = [runner.fusion.wait(timeout) for runner in self.round_runners() if runner.fusion is not None]
         return any(waited)
 

@@ -195,10 +195,12 @@ def test_background_fusion_through_generate_and_in_a_second_process(tmp_path, mo
     assert runner.kind == "eager" and runner.fusion.state == "building"
     runner.fusion.wait(timeout=600)
     assert runner.fusion.process.returncode == 0, runner.fusion.log.read_text()[-2000:]
+    assert drafter.wait_for_fusion()  # built, not yet switched to: the next call switches (a benchmark re-warms)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         runner = both(prompts[1])
     assert runner.kind == "fused ahead of time" and runner.fusion.state == "used"
+    assert not drafter.wait_for_fusion()
     both(prompts[2])
     sampled = dict(max_new_tokens=24, do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[5, 6],
                    assistant_model=drafter, cache_implementation="static", compile="background")

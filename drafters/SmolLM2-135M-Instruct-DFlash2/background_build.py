@@ -202,11 +202,11 @@ class BackgroundFusion:
         self.state, self.reason = "unfused", reason
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the child (True when there was one still building)."""
-        if self.state != "building" or self.job.ready():
-            return False
-        self.job.wait(timeout)
-        return True
+        """Wait for the child. True when the runner's next call switches to a package: one being built (waited for)
+        or one finished or found since its last call."""
+        if self.state == "building" and not self.job.ready():
+            self.job.wait(timeout)
+        return self.state in ("building", "ready")
 
     def poll(self, runner) -> None:
         try:
