@@ -251,8 +251,7 @@ def batched_row(target, tokenizer, drafter, prompts, batch: int, max_new_tokens:
     ids, mask = ids.to(device), mask.to(device)
     row = {}
     for name, extra in (("plain", {}), ("dflash2", {"assistant_model": drafter})):
-        kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                      **extra)
+        kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
         target.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
         out, seconds, forwards = timed_generate(target, ids, kwargs, device)
         generated = out[:, ids.shape[1]:]

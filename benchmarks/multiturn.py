@@ -62,8 +62,7 @@ def run_multiturn(target, tokenizer, drafter, history_tokens: int = 4096, max_ne
         settings = {**common, **LOOPS[loop]}
 
         def turn_a():
-            return call(target, ids_a, device, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                        **settings)
+            return call(target, ids_a, device, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **settings)
 
         turn_a()  # warm-up: buffers, captured graphs
         settle(drafter, turn_a)  # the own loop on one GPU: switch to the round fused in the background

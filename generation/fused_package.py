@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from .export import flat_code
 from .round_core import RoundCore, round_state
 from .sampling import Sampling
 from .tree import DraftTree
@@ -202,16 +203,19 @@ def package_key(spec: dict, portable: bool = False) -> str:
     device = torch.device(spec["device"])
     hardware = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if (
         device.type == "cuda") else "cpu"
-    code = hashlib.sha256()  # the source of every module the round runs through, ours and the drafter's
-    modules = {RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}
-    for name in sorted(modules):
-        source = inspect.getsourcefile(sys.modules[name])
-        code.update(name.encode() + Path(source).read_bytes())
-    left_out = ["target_config", "drafter_config"]
+    # The code: the source of every module the round runs through, ours and the drafter's, by file name and as a
+    # drafter folder carries it (`flat_code`): one key whether dflash2's package or a folder's flat copies (AutoModel
+    # with trust_remote_code) run the round. Module names and a saved config's metadata are left out.
+    code, file_name = hashlib.sha256(), lambda module: module.rsplit(".", 1)[-1]
+    for name in sorted({RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}, key=file_name):
+        code.update(file_name(name).encode() + flat_code(Path(inspect.getsourcefile(sys.modules[name]))).encode())
+    left_out = ["target_config", "drafter_config", "fusion_module", "code_modules", "drafter_class"]
     if portable and device.type == "cuda":  # CUDA kernels take no CPU threads: the round runs at its build's count
         left_out.append("threads")  # (`loaded_round`), whatever this machine's
     described = json.dumps({k: v for k, v in spec.items() if k not in left_out}, sort_keys=True, default=str)
-    parts = [described, spec["target_config"].to_json_string(), spec["drafter_config"].to_json_string(),
+    drafter_config = {k: v for k, v in json.loads(spec["drafter_config"].to_json_string()).items()
+                      if k not in ("auto_map", "architectures", "dtype", "transformers_version", "_name_or_path")}
+    parts = [described, spec["target_config"].to_json_string(), json.dumps(drafter_config, sort_keys=True),
              str(hardware), *toolchain_versions(device, driver=not portable), transformers.__version__,
              code.hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]

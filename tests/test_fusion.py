@@ -6,6 +6,7 @@ Inductor on a CPU compiles C++: these tests need a C++ compiler (the CI machine 
 
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -742,6 +743,44 @@ def test_a_shipped_package_runs_from_the_first_call_of_a_fresh_cache(tmp_path, m
         warnings.simplefilter("error")
         runner = background_equals_plain(target, drafter, prompt(6), 16)
     assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+    # the model card's way (AutoModel, trust_remote_code) finds the same shipped package in a fresh cache
+    remote, _ = remote_copy(drafter, target, tmp_path / "drafter")
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "another-empty-cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner = background_equals_plain(target, remote, prompt(6), 16)
+    assert runner.fusion.process is None and runner.kind == "fused ahead of time"
+
+
+def remote_copy(drafter, target, folder):
+    """`drafter` (detached from `target`) saved into `folder` and loaded back as the model card loads it (AutoModel,
+    trust_remote_code: the folder's flat copies of the code), attached to `target`; and that copy's own
+    `fused_package` module."""
+    from transformers import AutoModel
+
+    drafter.detach(target).save_pretrained(folder)
+    remote = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).attach(target)
+    assert type(remote).__module__.startswith("transformers_modules")
+    return remote, sys.modules[type(remote).__module__.rsplit(".", 1)[0] + ".fused_package"]
+
+
+def test_a_package_has_one_key_whether_dflash2_or_a_drafter_folder_runs_the_round(tmp_path):
+    """The same round through dflash2's package and through a drafter folder's flat copies (module names, a
+    generated header, imports with one dot, `auto_map` in the config) has one key, local and portable; another
+    drafter config does not."""
+    target, drafter = tiny_pair(34)
+    keys = []
+    for module in (fused_package, None):
+        if module is None:
+            drafter, module = remote_copy(drafter, target, tmp_path / "drafter")
+        target.generate(prompt(6), max_new_tokens=16, do_sample=False, assistant_model=drafter,
+                        cache_implementation="static", compile=False)
+        (runner,) = drafter.round_runners()
+        spec = module.spec_of(runner.core)
+        keys.append((module.package_key(spec), module.package_key(spec, portable=True)))
+    assert keys[0] == keys[1]
+    spec["drafter_config"].tree_width += 1
+    assert module.package_key(spec) != keys[1][0]
 
 
 def test_a_shipped_cuda_package_serves_any_thread_count(monkeypatch):

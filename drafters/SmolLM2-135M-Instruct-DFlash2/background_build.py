@@ -54,8 +54,7 @@ class FusionJob:
         self.scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
         try:
             spec_file = self.scratch / "spec.pickle"
-            with open(spec_file, "wb") as f:
-                pickle.dump(spec, f)
+            spec_file.write_bytes(pickle.dumps(spec))
             self.log = path.with_name(f"{path.stem}.{os.getpid()}.log")
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
             with open(self.log, "w") as log:
