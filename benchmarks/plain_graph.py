@@ -1,5 +1,4 @@
-"""The expert baseline: plain decoding, greedy or sampled, of a transformers causal LM as a hand-written CUDA-graph
-loop.
+"""The expert baseline: plain greedy or sampled decoding of a transformers causal LM as a hand-written CUDA-graph loop.
 
 gpt-fast style, with no `generate` around it: one static cache (transformers' `StaticCache`), the prompt prefilled
 once, then one-token steps. A step -- the model's forward, the argmax, the token written into a preallocated output
@@ -9,11 +8,10 @@ step is compiled by inductor first and that is captured. The host reads the devi
 all rows reached EOS?) and once at the end (the tokens); without EOS it reads only at the end. On a CPU (or a model
 spread over several devices) the same step runs as plain calls.
 
-EOS. Steps queued between two reads run on after a row's EOS; their tokens are dropped (each row is cut after its
-first EOS and right-padded, as `generate` does), so the output and the token count equal plain greedy `generate`'s,
-while the time includes the at most `check_every - 1` wasted steps (DFlash 2's loop reads every 4 rounds the same
-way). A call's prefill empties the cache (`StaticCache.reset`) and runs one eager forward, timed like every method's
-prefill.
+EOS. Steps queued between two reads run on after a row's EOS; their tokens are dropped (each row is cut after its first
+EOS and right-padded, as `generate` does), so the output and the token count equal plain greedy `generate`'s, while the
+time includes the at most `check_every - 1` wasted steps (DFlash 2's loop reads every 4 rounds the same way). A call's
+prefill empties the cache (`StaticCache.reset`) and runs one eager forward, timed like every method's prefill.
 
 Sampling (`sampling=Sampling(do_sample=True, ...)`): the step samples from the temperature / top-k / top-p-warped
 distribution (`generation.sampling.row_warped_logits`, transformers' warpers; at no top-k or top-p cut only the

@@ -6,16 +6,15 @@
     python -m dflash2.benchmarks.scale --parts lossless --out runs/scale-lossless.json
     python -m dflash2.benchmarks.scale --smoke --out /tmp/scale.json               # tiny shapes on the CPU
 
-Targets and drafters are built from configs only (no download), with random weights: the Qwen3-8B and Qwen3-32B
-shapes, each with a 5-layer DFlash 2 drafter. A random drafter accepts about nothing, so the script reports the cost
-of one full round (`per_round_ms`) against one plain decoding step (`per_token_ms`) and projects the speedup a trained
-drafter would give at the published tau values. docs/scale.md says what each number is, how it is taken, and what the
-loops `assisted`, `graph`, `fused` (one compile, batch 1, first block size), `batched`, `plain-eager`, `plain-static`
-and `plain-graph` (eager on a split target) run. On a target split over GPUs the own loops cannot be captured and run
-their round eagerly (`kind` says so).
-`plain-static` runs last in a part: a fused DFlash 2 graph replayed after transformers' compiled plain decoding in the
-same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects methods for a process of its
-own.
+Targets and drafters are built from configs only (no download), with random weights: the Qwen3-8B and Qwen3-32B shapes,
+each with a 5-layer DFlash 2 drafter. A random drafter accepts about nothing, so the script reports the cost of one full
+round (`per_round_ms`) against one plain decoding step (`per_token_ms`) and projects the speedup a trained drafter would
+give at the published tau values. docs/scale.md says what each number is, how it is taken, and what the loops
+`assisted`, `graph`, `fused` (one compile, batch 1, first block size), `batched`, `plain-eager`, `plain-static` and
+`plain-graph` (eager on a split target) run. On a target split over GPUs the own loops cannot be captured and run their
+round eagerly (`kind` says so). `plain-static` runs last in a part: a fused DFlash 2 graph replayed after transformers'
+compiled plain decoding in the same process once hit an illegal memory access (docs/benchmarks.md); `--methods` selects
+methods for a process of its own.
 
 Parts (one invocation each; `--budget` skips what would overrun, and says so):
 - `8b`: every loop at block sizes 8 and 16, batch 1 (and 4, 8 for batched and plain), peak memory per method; the

@@ -11,19 +11,18 @@ Reports, in one process on one machine:
 - `assisted`: where a round of transformers' assisted loop spends its time.
 Batched throughput is measured by `dflash2 bench --batch-sizes`; where a round's time goes, by
 `python -m dflash2.benchmarks.round_profile`.
-Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that
-verify one path, or a tree of `--tree-nodes` nodes: side by side in one run), `dflash2-card` (the model card's call:
-one prompt, default kwargs, no `cache_implementation`), `dflash2-assisted` (transformers' assisted loop,
-`loop="transformers"`), `plain` (compiled `generate` with a
-static cache) and `plain-graph`, the expert baseline: a plain loop with the step captured as a CUDA graph, no
-`generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`: the step fused by inductor
-first). Steady-state speedups of every DFlash 2 method are reported against every baseline in the run, and the tree's
-tau and tokens/s over the path's.
+Methods (`--methods`): `dflash2` (the drafter's own settings), `dflash2-path` and `dflash2-tree` (rounds that verify one
+path, or a tree of `--tree-nodes` nodes: side by side in one run), `dflash2-card` (the model card's call: one prompt,
+default kwargs, no `cache_implementation`), `dflash2-assisted` (transformers' assisted loop, `loop="transformers"`),
+`plain` (compiled `generate` with a static cache) and `plain-graph`, the expert baseline: a plain loop with the step
+captured as a CUDA graph, no `generate`, no host read per token (`benchmarks/plain_graph.py`; `--plain-graph-compile`:
+the step fused by inductor first). Steady-state speedups of every DFlash 2 method are reported against every baseline in
+the run, and the tree's tau and tokens/s over the path's.
 Greedy by default; `--temperature T` (and `--top-p`, `--top-k`: no top-k cut unless given) samples in every timed call
-but the settings section's, `plain-graph` too (its step samples at the same settings).
-Run it in fresh processes: `--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give
-that method's own cold start (a second process finds torch's compile caches warm); compiled `generate` runs in a
-process of its own (`--methods plain`, then `--merge`; docs/benchmarks.md says why).
+but the settings section's, `plain-graph` too (its step samples at the same settings). Run it in fresh processes:
+`--first dflash2` and `--first plain` against a fresh TORCHINDUCTOR_CACHE_DIR each give that method's own cold start (a
+second process finds torch's compile caches warm); compiled `generate` runs in a process of its own (`--methods plain`,
+then `--merge`; docs/benchmarks.md says why).
 """
 
 from __future__ import annotations
@@ -173,12 +172,11 @@ def main(argv=None):
     # method for every shape the prompts need, so that no timed call builds, captures or fuses anything
     steady = {}
     if "steady" in sections:
-        warmed = warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)
-        if any(is_dflash2(method) for method in selected) and settle(drafter, lambda: None) is not None:
-            warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens)  # switch to the fused
-        results["steady_warm_up_calls"] = warmed
-        if any(is_dflash2(method) for method in selected):  # `round_kind` above: the first call's, before any switch
-            results["steady_round_kind"] = drafter.round_kind(1)
+        results["steady_warm_up_calls"] = warm_up(call, encoded, selected, drafter.config.block_size,
+                                                  args.max_new_tokens)
+        if any(is_dflash2(method) for method in selected):  # a fused round built meanwhile: warm up again to switch
+            settle(drafter, lambda: warm_up(call, encoded, selected, drafter.config.block_size, args.max_new_tokens))
+            results["steady_round_kind"] = drafter.round_kind(1)  # (`round_kind` above: the first call's)
     for task, items in encoded.items() if "steady" in sections else []:
         rows = {method: [] for method in selected}  # (seconds, tokens, new token ids, target forwards) per prompt
         agree = 0

@@ -194,21 +194,15 @@ def spec_of(core: RoundCore) -> dict:
 
 
 def package_key(spec: dict, portable: bool = False) -> str:
-    """Changes with anything that changes the compiled rounds: shapes, configs, dtypes, device, code, versions (not
-    the sampling settings or EOS ids: tensors the rounds read). `portable`: the key of a shipped package
-    (`shipped_package`), which leaves out the CUDA driver: the kernels are cubins for the GPU's architecture, built by
-    triton's own compiler, and any driver that runs this CUDA runtime loads them."""
+    """Changes with anything that changes the compiled rounds: shapes, configs, dtypes, device, code (`code_digest`),
+    versions; not the sampling settings or EOS ids (tensors the rounds read), module names or a saved config's metadata.
+    `portable`: the key of a shipped package (`shipped_package`), which leaves out the CUDA driver: the kernels are
+    triton's cubins for the GPU's architecture, which any driver that runs this CUDA runtime loads."""
     import transformers
 
     device = torch.device(spec["device"])
     hardware = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if (
         device.type == "cuda") else "cpu"
-    # The code: the source of every module the round runs through, ours and the drafter's, by file name and as a
-    # drafter folder carries it (`flat_code`): one key whether dflash2's package or a folder's flat copies (AutoModel
-    # with trust_remote_code) run the round. Module names and a saved config's metadata are left out.
-    code, file_name = hashlib.sha256(), lambda module: module.rsplit(".", 1)[-1]
-    for name in sorted({RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}, key=file_name):
-        code.update(file_name(name).encode() + flat_code(Path(inspect.getsourcefile(sys.modules[name]))).encode())
     left_out = ["target_config", "drafter_config", "fusion_module", "code_modules", "drafter_class"]
     if portable and device.type == "cuda":  # CUDA kernels take no CPU threads: the round runs at its build's count
         left_out.append("threads")  # (`loaded_round`), whatever this machine's
@@ -217,8 +211,18 @@ def package_key(spec: dict, portable: bool = False) -> str:
                       if k not in ("auto_map", "architectures", "dtype", "transformers_version", "_name_or_path")}
     parts = [described, spec["target_config"].to_json_string(), json.dumps(drafter_config, sort_keys=True),
              str(hardware), *toolchain_versions(device, driver=not portable), transformers.__version__,
-             code.hexdigest()]
+             code_digest(spec)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def code_digest(spec: dict) -> str:
+    """The source of every module the round runs through, ours and the drafter's, by file name and as a drafter folder
+    carries it (`flat_code`): one digest whether dflash2's package or a folder's flat copies (AutoModel with
+    trust_remote_code) run the round."""
+    code, file_name = hashlib.sha256(), lambda module: module.rsplit(".", 1)[-1]
+    for name in sorted({RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}, key=file_name):
+        code.update(file_name(name).encode() + flat_code(Path(inspect.getsourcefile(sys.modules[name]))).encode())
+    return code.hexdigest()
 
 
 def toolchain_versions(device: torch.device, driver: bool = True) -> list[str]:
@@ -263,10 +267,11 @@ def shipped_package(core: RoundCore) -> Path | None:
 
 def export_package(core: RoundCore, package: Path, folder: Path) -> Path:
     """Copy `core`'s built `package` into `folder` under its portable key (atomically): what `shipped_package` finds
-    on another machine with the same GPU and toolchain."""
+    on another machine with the same GPU and toolchain. Beside it, `<key>.code` holds its `code_digest`."""
     folder.mkdir(parents=True, exist_ok=True)
     destination = folder / f"{package_key(spec_of(core), portable=True)}.round"
     copy_atomically(package, destination)
+    destination.with_suffix(".code").write_text(code_digest(spec_of(core)) + "\n")
     return destination
 
 

@@ -752,6 +752,26 @@ def test_a_shipped_package_runs_from_the_first_call_of_a_fresh_cache(tmp_path, m
     assert runner.fusion.process is None and runner.kind == "fused ahead of time"
 
 
+def test_shipped_packages_were_built_from_this_code(tmp_path):
+    """An export writes `<key>.code` beside each package: the `code_digest` of the round's modules. Every package
+    shipped in the drafter folder's or dflash2's fused-rounds/ must carry this checkout's digest: a package of other
+    code is never found (its key differs), so an edit of the round's modules needs the packages exported again on a
+    GPU (`python -m dflash2.benchmarks.first_minute --export`, docs/benchmarks.md)."""
+    import dflash2
+
+    target, drafter, core = shipped_pair(tmp_path, 36)
+    built = tmp_path / "built.round"
+    built.write_bytes(b"a package")
+    exported = fused_package.export_package(core, built, tmp_path / "drafter" / fused_package.SHIPPED_FOLDER)
+    digest = fused_package.code_digest(fused_package.spec_of(core))  # the shipped drafter runs the same modules
+    assert exported.with_suffix(".code").read_text().strip() == digest
+    folders = [Path(dflash2.__file__).parent / name / fused_package.SHIPPED_FOLDER
+               for name in ("drafters/SmolLM2-135M-Instruct-DFlash2", ".")]
+    codes = {path.name: path.with_suffix(".code") for folder in folders for path in folder.glob("*.round")}
+    stale = [name for name, code in codes.items() if not code.is_file() or code.read_text().strip() != digest]
+    assert not stale, f"shipped packages built from other code (export them again on a GPU): {stale}"
+
+
 def remote_copy(drafter, target, folder):
     """`drafter` (detached from `target`) saved into `folder` and loaded back as the model card loads it (AutoModel,
     trust_remote_code: the folder's flat copies of the code), attached to `target`; and that copy's own
