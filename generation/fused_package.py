@@ -217,8 +217,7 @@ def package_key(spec: dict, portable: bool = False) -> str:
 
 def code_digest(spec: dict) -> str:
     """The source of every module the round runs through, ours and the drafter's, by file name and as a drafter folder
-    carries it (`flat_code`): one digest whether dflash2's package or a folder's flat copies (AutoModel with
-    trust_remote_code) run the round."""
+    carries it (`flat_code`): one digest whether dflash2's package or a folder's flat copies run the round."""
     code, file_name = hashlib.sha256(), lambda module: module.rsplit(".", 1)[-1]
     for name in sorted({RoundCore.__module__, DraftTree.__module__, __name__, *spec["code_modules"]}, key=file_name):
         code.update(file_name(name).encode() + flat_code(Path(inspect.getsourcefile(sys.modules[name]))).encode())
@@ -269,9 +268,10 @@ def export_package(core: RoundCore, package: Path, folder: Path) -> Path:
     """Copy `core`'s built `package` into `folder` under its portable key (atomically): what `shipped_package` finds
     on another machine with the same GPU and toolchain. Beside it, `<key>.code` holds its `code_digest`."""
     folder.mkdir(parents=True, exist_ok=True)
-    destination = folder / f"{package_key(spec_of(core), portable=True)}.round"
+    spec = spec_of(core)
+    destination = folder / f"{package_key(spec, portable=True)}.round"
     copy_atomically(package, destination)
-    destination.with_suffix(".code").write_text(code_digest(spec_of(core)) + "\n")
+    destination.with_suffix(".code").write_text(code_digest(spec) + "\n")
     return destination
 
 
