@@ -56,7 +56,7 @@ def flat_code(source: Path) -> str:
     if not IN_PACKAGE:
         return text
     text = re.sub(r"^(\s*from )\.\.(?=\w)", r"\1.", text, flags=re.MULTILINE)
-    relative = source.relative_to(PACKAGE_ROOT).as_posix()
+    relative = source.resolve().relative_to(PACKAGE_ROOT).as_posix()  # resolved both: dflash2 may sit behind a link
     return GENERATED_HEADER.format(source=relative, command=FLAT_CODE_COMMAND) + text
 
 

@@ -1,6 +1,9 @@
 """The drafter shipped for SmolLM2-135M-Instruct: its folder is current and complete, and it speculates losslessly."""
 
 import json
+import os
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -42,6 +45,16 @@ def test_the_drift_check_sees_an_edited_copy_and_the_command_repairs_it(tmp_path
     assert flat_code_main([str(copy)]) == 0 and drifted_files(copy) == []
     assert "from .modeling_dflash2 import" in (copy / "round_core.py").read_text()
     assert "from ..modeling_dflash2 import" in (ROOT / "generation" / "round_core.py").read_text()
+
+
+def test_the_flat_code_is_generated_when_dflash2_is_reached_through_a_link(tmp_path):
+    """A package imported through a symbolic link (a linked checkout on PYTHONPATH) generates the same flat code: the
+    fused round's package key hashes it, so a failure here left every build unstarted."""
+    (tmp_path / "dflash2").symlink_to(ROOT, target_is_directory=True)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "dflash2.generation.flat_code", str(SHIPPED), "--check"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_shipped_folder_fits_the_size_budget_and_names_its_target():
