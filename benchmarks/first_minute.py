@@ -6,22 +6,16 @@
         --humaneval-skip 120 --out batch8.jsonl      # MT-Bench 50-57 and HumanEval 120-127, 8 rows a call
     python -m dflash2.benchmarks.first_minute --export fused-rounds --batch-sizes 1 8    # build the shipped packages
 
-`--export DIR` builds, from the same empty caches, the fused packages a 256-token answer needs (every buffer
-capacity up to a 768-token request's, for each of `--batch-sizes`, side by side) and copies them into DIR under their
-portable keys (`dflash2 precompile --artifacts`); DIR = dflash2's `fused-rounds/` ships them in the package.
+`--export DIR` builds, from empty caches, the fused packages a 256-token answer needs (every buffer capacity up to a
+768-token request's, for each of `--batch-sizes`, side by side) into DIR under their portable keys (`dflash2
+precompile --artifacts`); DIR = dflash2's `fused-rounds/` ships them in the package.
 
-Before anything compiles, the compile caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) and dflash2's
-`fused-rounds/` start empty (fresh temporary folders; dflash2's fetched data files and converted targets are reused,
-as a machine without a network needs them): what a user meets on a fresh machine, with whatever packages ship in the
-drafter folder's or dflash2's `fused-rounds/` (`dflash2 precompile --artifacts`). `--keep-caches` uses the caches as
-they are.
-
-It cycles MT-Bench first turns and HumanEval prompts (half each of `--prompts`), `--max-new-tokens` new tokens a
-call, for `--seconds` from the first call, and prints one line per call: its start since the first call, its tokens
-per second, and how the rounds ran ("graph (eager kernels)" or "graph (fused ahead of time)"). The summary gives each
-prompt's steady fused speed (the median of its fused calls) and, for the calls that start `--after` seconds or more
-after the first, how many ran at 0.8x their prompt's steady fused speed or more. `--out` keeps every call as a JSON
-line.
+The compile caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) and dflash2's `fused-rounds/` start empty (fetched
+data files and converted targets are reused): a fresh machine, with whatever packages ship in the drafter folder's or
+dflash2's `fused-rounds/`. `--keep-caches` uses the caches as they are. It cycles MT-Bench first turns and HumanEval
+prompts (half each of `--prompts`) for `--seconds` from the first call, one line per call (its start, tokens/s, how
+the rounds ran), then each prompt's steady fused speed (the median of its fused calls) and how many calls from
+`--after` seconds on ran at 0.8x of it or more. `--out` keeps every call as a JSON line.
 """
 
 from __future__ import annotations
@@ -101,8 +95,7 @@ def main(argv=None) -> None:
     calls, first, index = [], None, 0
     out = open(args.out, "w") if args.out else None
     while first is None or time.perf_counter() - first < args.seconds:
-        chosen = [index % len(prompts) + row for row in range(args.batch)]
-        rows = [prompts[i % len(prompts)] for i in chosen]
+        rows = [prompts[(index + row) % len(prompts)] for row in range(args.batch)]
         ids, mask = (t.to(device) for t in left_padded(rows, tokenizer.eos_token_id))
         width = ids.shape[1]
         synchronize()
@@ -128,15 +121,12 @@ def main(argv=None) -> None:
 
 def summarize(calls: list[dict], after: float) -> None:
     """Each prompt's steady fused speed, and how many of the calls from `after` seconds on reached 0.8x of it."""
-    fused = {}
-    for call in calls:
-        if "fused" in (call["kind"] or ""):
-            fused.setdefault(call["prompt"], []).append(call["tokens_per_s"])
-    steady = {prompt: statistics.median(speeds) for prompt, speeds in fused.items()}
+    fused = [call for call in calls if "fused" in (call["kind"] or "")]
+    steady = {prompt: statistics.median(call["tokens_per_s"] for call in fused if call["prompt"] == prompt)
+              for prompt in {call["prompt"] for call in fused}}
     judged = [call for call in calls if call["start_s"] >= after]
-    fast = [call for call in judged
-            if call["prompt"] in steady and call["tokens_per_s"] >= 0.8 * steady[call["prompt"]]]
-    switch = next((call["start_s"] for call in calls if "fused" in (call["kind"] or "")), None)
+    fast = [call for call in judged if call["tokens_per_s"] >= 0.8 * steady.get(call["prompt"], float("inf"))]
+    switch = next((call["start_s"] for call in fused), None)
     print(f"first fused call at {switch} s; calls from {after:.0f} s on at >= 0.8x their prompt's steady fused speed: "
           f"{len(fast)}/{len(judged)}; {len(calls)} calls", flush=True)
 

@@ -2,9 +2,11 @@
 default, and `generate` echoes the prompt, shows the baseline's progress and reports the speedup honestly."""
 
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -342,3 +344,21 @@ def test_precompile_builds_the_fused_round_ahead_of_time(tiny_pair, tmp_path, mo
     assert lines[0] == "batch 1, 256 columns: fused ahead of time"
     assert lines[2] == "batch 1, 512 columns: fused ahead of time" and "2 packages" in lines[4]
     assert len(list((tmp_path / "fused-rounds").glob("*.round"))) == 2 and len(list(shipped.glob("*.round"))) == 2
+    # exported packages hold the cache's bytes, packed with LZMA; put in the cache's place (on a CPU the portable key is
+    # the cache's), a fresh runner loads, checks and runs them
+    for exported in shipped.glob("*.round"):
+        cached = tmp_path / "fused-rounds" / exported.name
+        with zipfile.ZipFile(exported) as packed, zipfile.ZipFile(cached) as built:
+            assert {member.compress_type for member in packed.infolist()} == {zipfile.ZIP_LZMA}
+            assert packed.namelist() == built.namelist()
+            assert all(packed.read(name) == built.read(name) for name in built.namelist())
+        assert exported.stat().st_size < cached.stat().st_size
+        shutil.copyfile(exported, cached)
+    tiny_pair[2].release()
+    cli.main(["precompile", "--max-length", "300"])
+    out, err = capsys.readouterr()
+    assert out.split("\n")[:2] == ["batch 1, 256 columns: fused ahead of time", "batch 1, 512 columns: fused ahead of "
+                                   "time"], (out, err)
+    for cached in (tmp_path / "fused-rounds").glob("*.round"):  # used as they were, not built again
+        with zipfile.ZipFile(cached) as package:
+            assert {member.compress_type for member in package.infolist()} == {zipfile.ZIP_LZMA}
