@@ -192,3 +192,32 @@ def test_default_loop_fused_ahead_of_time_equals_plain_greedy_on_the_default_tar
     equal = sum(map(torch.equal, fused, plain))
     print(f"\n[gpu fp32] fused ahead of time ({sorted(kinds)}): identical to plain greedy {equal}/{len(encoded)}")
     assert kinds == {"graph (fused ahead of time)"} and equal == len(encoded)
+
+
+def test_batch_8_reaches_its_fused_round_and_each_row_equals_plain_greedy(default_pair_fp32, tmp_path, monkeypatch):
+    """Batch 8, left-padded, tree of 32: HumanEval 120-127 and MT-Bench 50-57 (the batches whose package bf16 once
+    refused) each run the fused round built in the background for their bucket, and every row equals plain greedy of
+    that row alone, in fp32."""
+    from dflash2.tasks import chat_prompt_ids, left_padded, task_prompts
+
+    target, tokenizer, drafter, greedy, _, _ = default_pair_fp32
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    drafter.release()
+    kinds, equal, rows = set(), 0, 0
+    for task, skip in (("humaneval", 120), ("mtbench", 50)):
+        prompts = [chat_prompt_ids(tokenizer, text) for text in task_prompts(task, 8, skip=skip)]
+        ids, mask = (t.cuda() for t in left_padded(prompts, tokenizer.eos_token_id))
+        call = lambda: target.generate(ids, attention_mask=mask, assistant_model=drafter,  # noqa: E731
+                                       cache_implementation="static", **greedy)
+        call()  # the first call of the bucket starts (or finds) its build
+        runner = drafter.round_runners(batch=8)[-1]  # the one this call ran
+        runner.fusion.wait(timeout=400)
+        out = call()
+        kinds.add(runner.kind)
+        for row, prompt in enumerate(prompts):
+            alone = torch.tensor([prompt], device="cuda")
+            want = target.generate(alone, attention_mask=torch.ones_like(alone), **greedy)[0, len(prompt):].tolist()
+            equal += out[row, ids.shape[1]: ids.shape[1] + len(want)].tolist() == want
+            rows += 1
+    print(f"\n[gpu fp32] batch 8, tree of 32: rounds {sorted(kinds)}; rows identical to plain greedy {equal}/{rows}")
+    assert kinds == {"graph (fused ahead of time)"} and equal == rows
