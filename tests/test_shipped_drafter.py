@@ -2,9 +2,9 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-import shutil
 from pathlib import Path
 
 import pytest
