@@ -236,6 +236,12 @@ class Engine:
         return "fused" in self.runner.kind
 
     @property
+    def fused_row_sets(self) -> int:
+        """How many of the row sets run the fused round: each switches at its first step once its package is ready, so
+        a row set that traffic has not reached since shows here as not fused yet."""
+        return sum("fused" in rows.runner.kind for rows in self.row_sets)
+
+    @property
     def capacity(self) -> int:
         return self.core.capacity
 

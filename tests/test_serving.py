@@ -291,6 +291,8 @@ def test_completions_stop_strings_models_and_metrics(tiny):
                  "dflash2_fused_round"):
         assert f"\n{name} " in text
     assert metric(server.url, "dflash2_fused_round") == 0  # a CPU runs eager rounds
+    assert metric(server.url, "dflash2_fused_row_sets") == 0
+    assert metric(server.url, "dflash2_row_sets") == 3  # 4 rows: runners of 1, 2 and 4
 
 
 # ---------------------------------------------------------------------------------------------- failures
