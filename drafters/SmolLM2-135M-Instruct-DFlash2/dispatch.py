@@ -202,7 +202,7 @@ def _split_generate_call(target, args, kwargs, strict: bool = True):
     `strict=False` also the arguments the own loop does not take (else they raise)."""
     # custom_generate forwards every argument of generate, most of them None or empty: those ask for nothing.
     # A None that overrides a generation-config field (eos_token_id=None) does ask for something: keep it.
-    config_fields = set(target.generation_config.to_dict())
+    config_fields = vars(target.generation_config)  # its fields (`to_dict` would deep-copy them on every call)
     kwargs = {k: v for k, v in kwargs.items() if k in config_fields or (
         v is not None and not (k in ("synced_gpus", "logits_processor", "stopping_criteria") and not v))}
     drafter = kwargs.pop("assistant_model")

@@ -265,7 +265,7 @@ def single_device(target, drafter) -> bool:
 def check_left_padded(attention_mask: torch.Tensor) -> None:
     """Each row's mask must be zeros (padding) then ones (the prompt): anything else would hide prompt tokens."""
     mask = attention_mask.bool()
-    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+    if not bool(((mask[:, 1:] >= mask[:, :-1]).all() & mask[:, -1].all())):  # one read from the device
         raise ValueError("DFlash 2 needs left-padded prompts: each row's attention_mask must be 0 (padding) before "
                          "its prompt and 1 from its first token to the end. Set tokenizer.padding_side = 'left', or "
                          "drop the mask if the prompt has no padding.")
