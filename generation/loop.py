@@ -86,7 +86,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     streamed = 0
     remaining = max_new_tokens - 1
     while True:
-        rounds = max(1, min(ROUNDS_PER_READ, remaining // drafter.config.block_size)) if remaining else 0
+        rounds = rounds_before_read(remaining, drafter.config.block_size) if remaining else 0
         for _ in range(rounds):
             if sampling.do_sample:
                 core.draw_noise(generator)
@@ -153,6 +153,12 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
     for row, tokens in enumerate(outputs):
         generated[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     return torch.cat([input_ids, generated.to(input_ids.device)], dim=1)
+
+
+def rounds_before_read(remaining: int, per_round: int, most: int = ROUNDS_PER_READ) -> int:
+    """Rounds to queue before the next host read: `most`, fewer when the nearest token limit (`remaining` tokens, at
+    most `per_round` emitted a round) comes sooner, at least one."""
+    return max(1, min(most, remaining // per_round))
 
 
 def batch_bucket(batch: int) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.graphs import RoundRunner
-from ..generation.loop import MAX_RUNNERS, capacity_for, round_runner_for, uses_graphs
+from ..generation.loop import MAX_RUNNERS, capacity_for, round_runner_for, rounds_before_read, uses_graphs
 from ..generation.round_core import RoundCore, columns_per_round, prefill_width
 from ..generation.sampling import Sampling, eos_token_ids, is_any_of, row_warped_logits
 from ..generation.stats import truncate_at_eos
@@ -369,7 +369,8 @@ class Engine:
         active = rows.requests()
         greedy = any(not request.sampling.do_sample for request in active)
         sampled = any(request.sampling.do_sample for request in active)
-        for _ in range(self.rounds_per_read):
+        remaining = min(request.max_tokens - max(1, len(request.tokens)) for request in active)  # (the prefill's)
+        for _ in range(rounds_before_read(remaining, self.emitted_per_round, self.rounds_per_read)):
             if greedy:
                 self.run_round(False, frozen=rows.sampled_rows if sampled else None)
             if sampled:

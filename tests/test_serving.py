@@ -255,6 +255,29 @@ def test_the_server_without_speculation_answers_as_plain_greedy_one_forward_per_
         server.close()
 
 
+def test_rounds_queued_before_a_read_stop_at_the_nearest_token_limit(tokenizer):
+    """Before each host read the engine queues only the rounds the nearest token limit can use (the own loop's rule,
+    `rounds_before_read`): a lone request runs no round past its last token, with and without speculation."""
+    from dflash2.serving.engine import GenerationRequest
+
+    target, drafter = tiny_pair(tokenizer)
+    for speculate, max_tokens in ((True, 4), (True, 9), (False, 6)):
+        engine = Engine(target, tokenizer, drafter, rows=1, max_model_len=512, speculate=speculate)
+        rounds, run_round = [], engine.run_round
+        engine.run_round = lambda *args, **kwargs: (rounds.append(1), run_round(*args, **kwargs))
+        done = threading.Event()
+        request = GenerationRequest(prompt_ids=conversation_ids(tokenizer, [{"role": "user", "content": PROMPTS[0]}]),
+                                    max_tokens=max_tokens, emit=lambda event: event[0] == "finish" and done.set())
+        engine.start()
+        try:
+            engine.submit(request)
+            assert done.wait(60)
+        finally:
+            engine.shutdown()
+        assert len(request.tokens) == max_tokens or request.tokens[-1] in engine.eos
+        assert len(rounds) == request.target_forwards - 1  # every round queued was one the request took part in
+
+
 def test_a_later_turn_reuses_the_rows_cache_and_equals_plain_greedy_on_the_whole_conversation(tiny):
     server, target, tokenizer = tiny
     conversation = [{"role": "user", "content": "Describe the sea."}]
