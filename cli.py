@@ -145,8 +145,7 @@ def command_generate(args) -> None:
         speedups.append(rates[-1] / plain_rates[-1])
 
     new_tokens = len(outputs[0])
-    parts = [f"tau {tokens / max(forwards, 1):.2f}", f"{new_tokens} tokens",
-             spread(rates, " tok/s", 1)]
+    parts = [f"tau {tokens / max(forwards, 1):.2f}", f"{new_tokens} tokens", spread(rates, " tok/s", 1)]
     if not args.no_baseline:
         parts.append(f"plain generate {spread(plain_rates, ' tok/s', 1)}")
         if args.repeats == 1:

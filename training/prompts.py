@@ -354,8 +354,7 @@ def _entry(module_name: str, cls_name: str | None, name: str, obj: object) -> li
         return []
     if not DOC_SUMMARY_MIN <= len(doc_summary(doc)) <= DOC_SUMMARY_MAX:
         return []
-    return [{"module": module_name, "cls": cls_name, "name": name,
-             "signature": signature_text(obj), "doc": doc}]
+    return [{"module": module_name, "cls": cls_name, "name": name, "signature": signature_text(obj), "doc": doc}]
 
 
 _INSTRUCTION_TEMPLATES = (
@@ -373,8 +372,7 @@ def instruction_prompt(entry: dict, rng: random.Random) -> str:
     """Natural-language request built from the signature and docstring summary."""
     templates = _METHOD_INSTRUCTION_TEMPLATES if entry["cls"] else _INSTRUCTION_TEMPLATES
     return rng.choice(templates).format(
-        name=entry["name"], sig=entry["signature"] or "", cls=entry["cls"],
-        summary=doc_summary(entry["doc"]))
+        name=entry["name"], sig=entry["signature"] or "", cls=entry["cls"], summary=doc_summary(entry["doc"]))
 
 
 def indent_block(text: str, prefix: str = "    ") -> str:
@@ -448,8 +446,7 @@ def _make_math_entities_hash_deterministically() -> None:
     entity_class._serial_hash_patched = True
 
 
-def generate_math_questions_in_this_process(n: int, seed: int,
-                                            module_names: Iterable[str] = MATH_MODULES) -> list[str]:
+def generate_math_questions_in_this_process(n: int, seed: int, module_names: Iterable[str] = MATH_MODULES) -> list[str]:
     """Round-robin questions over module_names; reseeds global RNGs (use a subprocess).
 
     The generators draw from the global ``random``, ``numpy.random`` and sympy's RNG,
@@ -504,8 +501,7 @@ def math_candidates(n: int, seed: int = 0, timeout_s: float = 600) -> list[str]:
     want = int(n * 1.2) + 10
     result = subprocess.run(
         [sys.executable, "-c", code, package_root, str(want), str(seed)],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
-        env={**os.environ, "PYTHONHASHSEED": "0"})
+        capture_output=True, text=True, timeout=timeout_s, check=False, env={**os.environ, "PYTHONHASHSEED": "0"})
     if result.returncode != 0:
         raise RuntimeError(f"math generation failed:\n{result.stderr[-2000:]}")
     return dedupe(json.loads(result.stdout))

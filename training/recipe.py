@@ -216,8 +216,7 @@ def run(args) -> Path:
         selector_top_k=args.selector_top_k or 16,
         target_layer_ids=default_target_layer_ids(text.num_hidden_layers, args.num_taps),
         mask_token_id=mask_token_id,
-        target_name_or_path=args.target,
-        target_gguf_file=args.gguf_file,
+        target_name_or_path=args.target, target_gguf_file=args.gguf_file,
     )
     torch.manual_seed(args.seed)  # the same initialisation in every process
     if args.init_from:
