@@ -7,8 +7,9 @@ Poisson mode. Any such server: `dflash2 serve`, `transformers serve` (with or wi
 
 Closed loop: each of N clients sends its next request when its last one ends, until `--requests` requests have been
 sent (or `--max-seconds` passed). Poisson (`--rates R ...`): requests arrive at R per second on average (exponential
-gaps, seeded), each on its own connection, `--requests` of them. The prompts are MT-Bench first turns and HumanEval
-tasks, alternating, in the server's chat template; every answer asks for `--max-tokens` tokens at `--temperature`.
+gaps, seeded), each on its own connection, `--requests` of them. The prompts are MT-Bench first turns (spread over its
+80 questions from question 5 on) and HumanEval tasks (from 100 on), alternating, in the server's chat template;
+every answer asks for `--max-tokens` tokens at `--temperature`.
 
 Per setup: aggregate tokens/s (completion tokens of every request / wall time), per-request latency and time to first
 token (p50, p95), the errors, and tau from the server's /metrics when it is a dflash2 server. `--plain-graph` also
@@ -32,12 +33,16 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def bench_prompts(count: int) -> list[str]:
-    """`count` user messages: MT-Bench first turns and HumanEval tasks, alternating (repeated when more are asked)."""
+    """`count` user messages, MT-Bench first turns and HumanEval tasks alternating (repeated when more are asked):
+    MT-Bench spread evenly over its 80 questions from question 5 on (every category), HumanEval from task 100 on (the
+    sets of docs/benchmarks.md, past the first few)."""
     from dflash2.tasks import task_prompts
 
     half = -(-count // 2)
-    mtbench, humaneval = task_prompts("mtbench", min(half, 80)), task_prompts("humaneval", min(half, 164))
-    mixed = [prompt for pair in zip(mtbench, humaneval) for prompt in pair]
+    mtbench, humaneval = task_prompts("mtbench", 80), task_prompts("humaneval", 64, skip=100)
+    spread = min(half, 75)
+    picked = [mtbench[5 + index * 75 // spread] for index in range(spread)]
+    mixed = [prompt for pair in zip(picked, humaneval[: len(picked)]) for prompt in pair]
     return [mixed[index % len(mixed)] for index in range(count)]
 
 
