@@ -261,7 +261,7 @@ def test_rounds_queued_before_a_read_stop_at_the_nearest_token_limit(tokenizer):
     from dflash2.serving.engine import GenerationRequest
 
     target, drafter = tiny_pair(tokenizer)
-    for speculate, max_tokens in ((True, 4), (True, 9), (False, 6)):
+    for speculate, max_tokens in ((True, 1), (True, 4), (True, 9), (False, 6)):
         engine = Engine(target, tokenizer, drafter, rows=1, max_model_len=512, speculate=speculate)
         rounds, run_round = [], engine.run_round
         engine.run_round = lambda *args, **kwargs: (rounds.append(1), run_round(*args, **kwargs))
