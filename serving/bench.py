@@ -42,7 +42,7 @@ def bench_prompts(count: int) -> list[str]:
     mtbench, humaneval = task_prompts("mtbench", 80), task_prompts("humaneval", 64, skip=100)
     spread = min(half, 75)
     picked = [mtbench[5 + index * 75 // spread] for index in range(spread)]
-    mixed = [prompt for pair in zip(picked, humaneval[: len(picked)]) for prompt in pair]
+    mixed = [prompt for pair in zip(picked, humaneval) for prompt in pair]
     return [mixed[index % len(mixed)] for index in range(count)]
 
 

@@ -370,7 +370,7 @@ class Engine:
         greedy = any(not request.sampling.do_sample for request in active)
         sampled = any(request.sampling.do_sample for request in active)
         remaining = min(request.max_tokens - max(1, len(request.tokens)) for request in active)  # (the prefill's)
-        for _ in range(rounds_before_read(remaining, self.emitted_per_round, self.rounds_per_read) if remaining else 0):
+        for _ in range(rounds_before_read(remaining, self.emitted_per_round, self.rounds_per_read)):
             if greedy:
                 self.run_round(False, frozen=rows.sampled_rows if sampled else None)
             if sampled:

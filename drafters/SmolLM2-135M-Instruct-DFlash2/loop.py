@@ -87,8 +87,7 @@ def own_loop_generate(target, drafter, input_ids, attention_mask, generation_con
     streamed = 0
     remaining = max_new_tokens - 1
     while True:
-        rounds = rounds_before_read(remaining, drafter.config.block_size) if remaining else 0
-        for _ in range(rounds):
+        for _ in range(rounds_before_read(remaining, drafter.config.block_size)):
             if sampling.do_sample:
                 core.draw_noise(generator)
             runner()
@@ -158,8 +157,8 @@ def finish(core: RoundCore, drafter, input_ids, batch: int, max_new_tokens: int,
 
 def rounds_before_read(remaining: int, per_round: int, most: int = ROUNDS_PER_READ) -> int:
     """Rounds to queue before the next host read: `most`, fewer when the nearest token limit (`remaining` tokens, at
-    most `per_round` emitted a round) comes sooner, at least one."""
-    return max(1, min(most, remaining // per_round))
+    most `per_round` emitted a round) comes sooner, at least one; none when no token remains."""
+    return max(1, min(most, remaining // per_round)) if remaining > 0 else 0
 
 
 def batch_bucket(batch: int) -> int:
