@@ -303,7 +303,8 @@ ARTIFACTS_BUDGET = 32 * 1000 * 1000  # bytes of shipped packages per GPU kind an
 
 def export_artifact(runner, folder: Path) -> list[Path]:
     """The runner's fused package copied into `folder` under its portable key (`fused_package.export_package`), packed
-    with LZMA (a third of the deflated size; the loader reads either); [] if the build failed (its warning says why)."""
+    with LZMA (a third of the deflated size; the loader reads either; packed here, since fused_package's source is in
+    every package's code digest); [] if the build failed (its warning says why)."""
     from dflash2.generation.fused_package import export_package
 
     if runner.fusion is None or runner.fusion.state != "used":
