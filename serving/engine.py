@@ -1,7 +1,9 @@
 """Continuous batching on DFlash 2's own loop: requests take rows of the loop's round runners as rows free up.
 
-A request waits in a bounded queue until a row is free, then is prefilled into that row alone (`RoundCore.admit`: the
-other rows keep their state), and the next round decodes it beside the others. Rounds are the runners' own (captured
+A request waits in a bounded queue until a row is free, then is prefilled by the one-row runner (its prefill captured
+per prompt bucket on a GPU) and its row copied into a free row of the running set (`RoundCore.copy_row`: the other
+rows keep their state; a later turn of a conversation a row still holds encodes only its new tokens there,
+`RoundCore.admit`), and the next round decodes it beside the others. Rounds are the runners' own (captured
 as CUDA graphs on one GPU, fused once the background build is ready): admission writes into the same fixed buffers,
 so no new shape is ever compiled or captured. A row that finishes (EOS, its token limit, a stop string, a client that
 left) is frozen on the device at the next host read and taken by the next waiting request. The engine keeps runners
@@ -37,6 +39,7 @@ from ..generation.stats import truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the rows' tokens
 PLAIN_ROUNDS_PER_READ = 16  # the same without speculation (one token a round): about what 4 rounds emit at tau 4
+SHRINK_AFTER_READS = 3  # reads in a row with the running requests fitting a smaller row set before they move there
 DEFAULT_ROWS = 8
 DEFAULT_MAX_QUEUE = 64
 
@@ -130,32 +133,37 @@ class RowSet:
         self.saved_done = torch.zeros_like(self.core.done)
         self.slots: list[GenerationRequest | None] = [None] * batch
         self.held: list[list[int] | None] = [None] * batch  # a free row's tokens still in its caches (`park`)
+        self.asked = [0] * batch  # and how many of them were its last request's prompt
         for row in range(batch):
             self.park(row)
 
-    def park(self, row: int, held: list[int] | None = None) -> None:
-        """Freeze row `row`. With `held` (the tokens its caches hold, `RoundCore.held_tokens`), its columns stay, so
+    def park(self, row: int, held: list[int] | None = None, asked: int = 0) -> None:
+        """Freeze row `row`. With `held` (the tokens its caches hold, `RoundCore.held_tokens`, of which the first
+        `asked` were its request's prompt), its columns stay, so
         that a next turn of the same conversation can reuse them: the rounds it sits through while free write only
         at and past its `start` (inside the buffers: every request leaves `Engine.reserve` columns free past its end).
         Without, its columns move to the start of the buffers."""
         core = self.core
         core.done[row] = True
-        self.slots[row], self.held[row] = None, held
+        self.slots[row], self.held[row], self.asked[row] = None, held, asked
         if held is None:
             core.start[row] = 0
             core.first_column[row] = 0
             core.context_columns[row] = core.offsets
 
     def free_row(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """A free row for a prompt, and how many of its first tokens that row still holds: the row holding the
-        longest prefix of it (an earlier turn of the conversation), else an empty row, else any free one."""
+        """A free row for a prompt, and how many of its first tokens that row still holds: the row whose conversation
+        the prompt continues (it repeats that row's last prompt whole; its answer may tokenize differently in the
+        next turn's text), else an empty row, else any free one. A prompt that shares only a beginning with a row (a
+        system prompt) is encoded anew: the captured prefill of a whole prompt costs less than an eager encoding of
+        its tail (`Engine.admit`)."""
         free = [row for row, slot in enumerate(self.slots) if slot is None]
         best, keep = None, 0
         for row in free:
             held = self.held[row] or []
             limit = min(len(held), len(prompt_ids) - 1)  # the prompt's last token is always encoded
             common = next((i for i in range(limit) if held[i] != prompt_ids[i]), limit)
-            if common > keep:
+            if common > keep and common >= self.asked[row]:
                 best, keep = row, common
         if best is None:
             best = next((row for row in free if self.held[row] is None), free[0])
@@ -171,7 +179,9 @@ class Engine:
 
     A round costs every row of its runner, busy or free, so the engine keeps one runner per batch size 1, 2, 4, ...
     up to `rows` (same buffers' capacity) and decodes on the smallest that holds the running requests: when they
-    outgrow it, or fit a smaller one, their rows move there (`RoundCore.copy_row`) between two rounds."""
+    outgrow it, or have fitted a smaller one for a few reads with nobody waiting, their rows move there
+    (`RoundCore.copy_row`) between two rounds. A new request is prefilled by the one-row runner (captured on a GPU)
+    and its row copied into the row set that decodes it."""
 
     def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = 2048,
                  max_queue: int = DEFAULT_MAX_QUEUE, compile: bool | str | None = None,
@@ -201,6 +211,7 @@ class Engine:
             runners = [plain_runner(target, drafter, size, self.max_model_len, compile, self.graphs) for size in sizes]
         self.row_sets = [RowSet(runner, self.eos) for runner in runners]
         self.active = self.row_sets[0]
+        self.calm_reads = 0  # reads in a row after which the running requests would fit a smaller row set
         self.waiting: collections.deque[GenerationRequest] = collections.deque()
         self.condition = threading.Condition()
         self.stopping = False
@@ -219,7 +230,7 @@ class Engine:
     def resize(self, count: int) -> None:
         """Move the running requests to the smallest row set with `count` rows or more (nothing when it is the one in
         use): each request's row is copied over, in order, and the old rows are freed."""
-        target = next(rows for rows in self.row_sets if rows.batch >= count)
+        target = self.smallest_for(count)
         if target is self.active:
             return
         old = self.active
@@ -230,6 +241,9 @@ class Engine:
             old.park(source_row)
             self.metrics["row_moves"] += 1
         self.active = target
+
+    def smallest_for(self, count: int) -> RowSet:
+        return next(rows for rows in self.row_sets if rows.batch >= count)
 
     @property
     def fused(self) -> bool:
@@ -350,10 +364,14 @@ class Engine:
         if keep and int(core.first_column[row]) + len(request.prompt_ids) + request.max_tokens + self.reserve > \
                 self.capacity:
             keep = 0
-        if rows.batch == 1 and not keep:  # the batch is this row alone: the runner's prefill (captured on CUDA)
-            core.set_sampling(request.sampling, self.eos)
+        if not keep:  # the one-row runner's prefill (captured on CUDA), then the row copied where it decodes
+            single = self.row_sets[0]  # free unless it is the active set (a larger one runs the other requests)
+            single.core.set_sampling(request.sampling, self.eos)
             ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=core.device)
-            rows.runner.prefill(ids, torch.ones_like(ids), request.max_tokens, request.generator)
+            single.runner.prefill(ids, torch.ones_like(ids), request.max_tokens, request.generator)
+            if single is not rows:
+                core.copy_row(row, single.core, 0)
+                single.park(0)
         elif core.admit(row, request.prompt_ids, request.max_tokens, request.sampling, request.generator, keep):
             self.metrics["prompt_tokens_reused"] += keep
         rows.held[row] = None
@@ -394,8 +412,12 @@ class Engine:
             finish = self.deliver(request, output, bool(done[row]))
             if finish is not None:
                 self.release(row, request, finish)
-        if not self.waiting:
-            self.resize(max(1, len(rows.requests())))
+        running = max(1, len(rows.requests()))
+        fits_smaller = not self.waiting and self.smallest_for(running) is not rows
+        self.calm_reads = self.calm_reads + 1 if fits_smaller else 0
+        if self.calm_reads >= SHRINK_AFTER_READS:  # not at once: a closed-loop client's next request is on its way
+            self.resize(running)
+            self.calm_reads = 0
         if self.runner.fusion is not None:
             self.runner.fusion.poll(self.runner)  # switches to the fused round once its package is built
 
@@ -445,7 +467,7 @@ class Engine:
         """The request is over: count it, tell it, free its row (keeping what its caches hold for a next turn)."""
         rows = self.active
         held = None if finish == "cancelled" else rows.views[row].held_tokens([request.prompt_ids])[0]
-        rows.park(row, held)
+        rows.park(row, held, len(request.prompt_ids))
         self.metrics["completion_tokens"] += len(request.tokens)
         self.metrics["target_forwards"] += request.target_forwards
         if finish != "cancelled":

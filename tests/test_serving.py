@@ -292,6 +292,32 @@ def test_a_later_turn_reuses_the_rows_cache_and_equals_plain_greedy_on_the_whole
         conversation += [{"role": "assistant", "content": expected}, {"role": "user", "content": follow_up}]
 
 
+def test_a_new_conversation_sharing_only_the_system_prompt_with_a_free_row_is_prefilled_whole(tokenizer):
+    """A free row's held tokens are reused only for a prompt that repeats that row's last prompt whole (a next turn);
+    one that shares only the chat template's system prompt is prefilled anew (on a GPU: the one-row runner's captured
+    prefill rather than an eager encoding of its tail), and both answers equal plain greedy."""
+    from dflash2.serving.engine import GenerationRequest
+
+    target, drafter = tiny_pair(tokenizer)
+    engine = Engine(target, tokenizer, drafter, rows=1, max_model_len=512)
+    engine.start()
+    try:
+        for prompt in PROMPTS[:2]:
+            messages = [{"role": "user", "content": prompt}]
+            ids = conversation_ids(tokenizer, messages)
+            done = threading.Event()
+            request = GenerationRequest(prompt_ids=ids, max_tokens=10, emit=lambda e: e[0] != "text" and done.set())
+            engine.submit(request)
+            assert done.wait(60)
+            assert tokenizer.decode(request.tokens, skip_special_tokens=True) == plain_greedy(
+                target, tokenizer, messages, 10)
+        first, second = (conversation_ids(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS[:2])
+        assert first[:8] == second[:8]  # the template's system prompt: a shared beginning the row still held
+        assert engine.metrics["prompt_tokens_reused"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_completions_stop_strings_models_and_metrics(tiny):
     server, target, tokenizer = tiny
     prompt = "Once upon a time"
