@@ -365,17 +365,16 @@ def command_serve(args) -> None:
     from dflash2.serving.app import create_app, run_server
     from dflash2.serving.engine import Engine
 
-    if args.drafter_folder:
-        args.drafter = args.drafter_folder
+    args.drafter = args.drafter_folder or args.drafter
     target, tokenizer, drafter = load_pair(args)  # a mistake in the arguments ends here, in one line
     engine = Engine(target, tokenizer, drafter, rows=args.rows, max_model_len=args.max_model_len,
                     max_queue=args.max_queue, speculate=not args.plain)
     name = args.served_model_name or Path(args.drafter).name
     default = Sampling(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     app = create_app(engine, name, api_key=args.api_key, default=default, default_max_tokens=args.max_new_tokens)
-    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows, rounds {engine.runner.kind}"
-          f"{' without speculation' if args.plain else ''}, context {engine.max_model_len} tokens)", file=sys.stderr,
-          flush=True)
+    plain = " without speculation" if args.plain else ""
+    print(f"dflash2: serving {name!r} on http://{args.host}:{args.port}/v1 ({engine.rows} rows{plain}, context "
+          f"{engine.max_model_len} tokens)", file=sys.stderr, flush=True)
     run_server(app, engine, args.host, args.port, log_level=args.log_level)
 
 
@@ -458,8 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the drafter folder's name)")
-    serve.add_argument("--max-model-len", type=positive_int, default=2048,
-                       help="most tokens of a request, prompt and answer (sizes the rows' buffers)")
+    serve.add_argument("--max-model-len", type=positive_int, default=1024,
+                       help="most tokens of a request, prompt and answer (the columns every round attends over)")
     serve.add_argument("--rows", type=positive_int, default=8, help="requests decoded at once (rows of the round)")
     serve.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting for a row; beyond it a request gets HTTP 429")

@@ -39,8 +39,10 @@ from ..generation.stats import truncate_at_eos
 
 ROUNDS_PER_READ = 4  # rounds queued between two host reads of the rows' tokens
 PLAIN_ROUNDS_PER_READ = 16  # the same without speculation (one token a round): about what 4 rounds emit at tau 4
+WARM_UP_TOKENS = 64  # the new tokens of the prompt a row set's package is checked on (`Engine.switch_to_package`)
 SHRINK_AFTER_READS = 3  # reads in a row with the running requests fitting a smaller row set before they move there
 DEFAULT_ROWS = 8
+DEFAULT_MAX_MODEL_LEN = 1024  # buffer columns of every row: the shipped packages' (a round attends over all of them)
 DEFAULT_MAX_QUEUE = 64
 
 
@@ -172,6 +174,10 @@ class RowSet:
     def requests(self) -> list[GenerationRequest]:
         return [slot for slot in self.slots if slot is not None]
 
+    @property
+    def fused(self) -> bool:
+        return "fused" in self.runner.kind
+
 
 class Engine:
     """The rows, the waiting queue and the thread that runs rounds. `start()` starts the thread; `shutdown()` ends every
@@ -183,7 +189,7 @@ class Engine:
     (`RoundCore.copy_row`) between two rounds. A new request is prefilled by the one-row runner (captured on a GPU)
     and its row copied into the row set that decodes it."""
 
-    def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = 2048,
+    def __init__(self, target, tokenizer, drafter, rows: int = DEFAULT_ROWS, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                  max_queue: int = DEFAULT_MAX_QUEUE, compile: bool | str | None = None,
                  rounds_per_read: int = ROUNDS_PER_READ, speculate: bool = True):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -212,6 +218,8 @@ class Engine:
         self.row_sets = [RowSet(runner, self.eos) for runner in runners]
         self.active = self.row_sets[0]
         self.calm_reads = 0  # reads in a row after which the running requests would fit a smaller row set
+        warm_up = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"] or self.eos[:1] or [0]
+        self.warm_up_ids = torch.tensor([warm_up], dtype=torch.long, device=self.core.device)
         self.waiting: collections.deque[GenerationRequest] = collections.deque()
         self.condition = threading.Condition()
         self.stopping = False
@@ -228,9 +236,11 @@ class Engine:
         return self.active.core
 
     def resize(self, count: int) -> None:
-        """Move the running requests to the smallest row set with `count` rows or more (nothing when it is the one in
-        use): each request's row is copied over, in order, and the old rows are freed."""
-        target = self.smallest_for(count)
+        """Move the running requests to the row set for `count` rows (`row_set_for`; nothing when it is the one in
+        use): each request's row is copied over, in order, and the old rows are freed. The smallest row set that holds
+        them switches to its fused package first if one is ready for it."""
+        self.switch_to_package(self.row_set_for(count, fused_only=False))
+        target = self.row_set_for(count)
         if target is self.active:
             return
         old = self.active
@@ -242,18 +252,38 @@ class Engine:
             self.metrics["row_moves"] += 1
         self.active = target
 
-    def smallest_for(self, count: int) -> RowSet:
-        return next(rows for rows in self.row_sets if rows.batch >= count)
+    def row_set_for(self, count: int, fused_only: bool = True) -> RowSet:
+        """The row set that decodes `count` requests: the smallest that holds them, unless its round is not fused yet
+        (its package still building) and a larger one's is: a fused round of more rows costs less than an unfused
+        round of fewer."""
+        holding = [rows for rows in self.row_sets if rows.batch >= count]
+        return next((rows for rows in holding if rows.fused), holding[0]) if fused_only else holding[0]
+
+    def switch_to_package(self, rows: RowSet) -> bool:
+        """A row set without requests whose fused package is on disk and not in use yet switches to it now: a short
+        prompt prefilled into its rows (the package is checked against the eager round from there), the switch (on a
+        GPU seconds: load, check, capture), then its rows freed. Returns whether there was one to switch to."""
+        fusion = rows.runner.fusion
+        if fusion is None or rows.requests() or not fusion.pending():
+            return False
+        ids = self.warm_up_ids.expand(rows.batch, -1)
+        rows.core.set_sampling(Sampling(), self.eos)
+        rows.runner.prefill(ids, torch.ones_like(ids), WARM_UP_TOKENS)
+        fusion.poll(rows.runner)
+        for row in range(rows.batch):
+            rows.park(row)
+        return True
 
     @property
     def fused(self) -> bool:
-        return "fused" in self.runner.kind
+        return self.active.fused
 
     @property
     def fused_row_sets(self) -> int:
-        """How many of the row sets run the fused round: each switches at its first step once its package is ready, so
-        a row set that traffic has not reached since shows here as not fused yet."""
-        return sum("fused" in rows.runner.kind for rows in self.row_sets)
+        """How many of the row sets run the fused round. One whose package is on disk (shipped, built earlier, or its
+        background build done) switches when the engine is idle (smallest first, so at start before any request
+        arrives), before requests move into it, or at its own next step."""
+        return sum(rows.fused for rows in self.row_sets)
 
     @property
     def capacity(self) -> int:
@@ -321,6 +351,8 @@ class Engine:
             while not self.stopping:
                 self.admit_waiting()
                 if not self.active.requests():
+                    if not self.waiting and any(self.switch_to_package(rows) for rows in self.row_sets):
+                        continue  # one row set switched; look at the queue before the next
                     with self.condition:
                         if not self.waiting and not self.stopping:
                             self.condition.wait(0.5)
@@ -413,7 +445,7 @@ class Engine:
             if finish is not None:
                 self.release(row, request, finish)
         running = max(1, len(rows.requests()))
-        fits_smaller = not self.waiting and self.smallest_for(running) is not rows
+        fits_smaller = not self.waiting and self.row_set_for(running).batch < rows.batch
         self.calm_reads = self.calm_reads + 1 if fits_smaller else 0
         if self.calm_reads >= SHRINK_AFTER_READS:  # not at once: a closed-loop client's next request is on its way
             self.resize(running)

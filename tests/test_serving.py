@@ -318,6 +318,50 @@ def test_a_new_conversation_sharing_only_the_system_prompt_with_a_free_row_is_pr
         engine.shutdown()
 
 
+def test_row_sets_switch_to_their_fused_packages_while_idle_and_a_fused_set_is_preferred(tokenizer, tmp_path,
+                                                                                         monkeypatch):
+    """Packages ready on disk: the row sets switch to them with no request (the idle engine, smallest first), and
+    answers equal plain greedy. While the smallest set that holds the requests is unfused and a larger one is fused,
+    the requests decode on the larger; moving there switches the smaller first when its package is ready."""
+    from dflash2.serving.engine import GenerationRequest
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target, drafter = tiny_pair(tokenizer)
+    engine = Engine(target, tokenizer, drafter, rows=2, max_model_len=256, compile="background")
+    for rows in engine.row_sets:  # a child builds each row set's package
+        assert rows.runner.fusion.state == "building"
+        rows.runner.fusion.wait(600)
+        assert rows.runner.fusion.process.returncode == 0, rows.runner.fusion.log.read_text()[-2000:]
+    single, double = engine.row_sets
+    assert engine.switch_to_package(double) and double.fused and not single.fused
+    assert engine.row_set_for(1) is double  # the fused set of two rows rather than the unfused one of one
+    engine.resize(1)  # the one-row set's package is ready: it switches before the requests would move
+    assert single.fused and engine.active is single and engine.fused_row_sets == 2
+
+    drafter.release()  # as in a new process: no runners, the packages on disk
+    engine = Engine(target, tokenizer, drafter, rows=2, max_model_len=256, compile="background")
+    assert engine.fused_row_sets == 0 and all(rows.runner.fusion.process is None for rows in engine.row_sets)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 120
+        while engine.fused_row_sets < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.fused_row_sets == 2 and engine.metrics["requests"] == 0
+        jobs = []
+        for prompt, limit in zip(PROMPTS[:2], (9, 14)):
+            done = threading.Event()
+            request = GenerationRequest(prompt_ids=conversation_ids(tokenizer, [{"role": "user", "content": prompt}]),
+                                        max_tokens=limit, emit=lambda e, done=done: e[0] != "text" and done.set())
+            engine.submit(request)
+            jobs.append((request, done, prompt, limit))
+        for request, done, prompt, limit in jobs:
+            assert done.wait(120)
+            assert tokenizer.decode(request.tokens, skip_special_tokens=True) == plain_greedy(
+                target, tokenizer, [{"role": "user", "content": prompt}], limit)
+    finally:
+        engine.shutdown()
+
+
 def test_completions_stop_strings_models_and_metrics(tiny):
     server, target, tokenizer = tiny
     prompt = "Once upon a time"

@@ -534,10 +534,8 @@ def learning_rate_factor(progress: float, warmup_fraction: float) -> float:
 
 def schedule_progress(step: int, total_steps: int, time_consumed_s: float, train_config: TrainConfig) -> float:
     """Where the run stands in [0, 1]: of its steps, or of its time budget when that is further along."""
-    fraction = step / total_steps
-    if train_config.time_budget_s is not None:
-        fraction = max(fraction, time_consumed_s / train_config.time_budget_s)
-    return fraction
+    fraction, budget = step / total_steps, train_config.time_budget_s
+    return fraction if budget is None else max(fraction, time_consumed_s / budget)
 
 
 def stop_reason(step: int, job_steps: int, total_steps: int, time_consumed_s: float, job_seconds: float,

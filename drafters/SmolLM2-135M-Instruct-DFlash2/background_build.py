@@ -207,6 +207,11 @@ class BackgroundFusion:
             self.job.wait(timeout)
         return self.state in ("building", "ready")
 
+    def pending(self) -> bool:
+        """A package is on disk (built, found or shipped) that the runner has not switched to: its next `poll` will."""
+        return self.job.ready() if self.state == "building" else (
+            self.state == "ready" or (self.state == "absent" and self.path.exists()))
+
     def poll(self, runner) -> None:
         try:
             self.advance(runner)

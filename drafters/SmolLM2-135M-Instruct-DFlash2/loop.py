@@ -252,9 +252,7 @@ def capacity_for(needed: int, graphs: bool) -> int:
     if not graphs:
         return -(-needed // MIN_CAPACITY["cpu"]) * MIN_CAPACITY["cpu"]
     capacity = max(MIN_CAPACITY["cuda"], 1 << (needed - 1).bit_length())
-    if capacity > CUDA_CAPACITY_STEP:
-        capacity = -(-needed // CUDA_CAPACITY_STEP) * CUDA_CAPACITY_STEP
-    return capacity
+    return capacity if capacity <= CUDA_CAPACITY_STEP else -(-needed // CUDA_CAPACITY_STEP) * CUDA_CAPACITY_STEP
 
 
 def uses_graphs(target, drafter) -> bool:
