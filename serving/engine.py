@@ -141,10 +141,10 @@ class RowSet:
 
     def park(self, row: int, held: list[int] | None = None, asked: int = 0) -> None:
         """Freeze row `row`. With `held` (the tokens its caches hold, `RoundCore.held_tokens`, of which the first
-        `asked` were its request's prompt), its columns stay, so
-        that a next turn of the same conversation can reuse them: the rounds it sits through while free write only
-        at and past its `start` (inside the buffers: every request leaves `Engine.reserve` columns free past its end).
-        Without, its columns move to the start of the buffers."""
+        `asked` were its request's prompt), its columns stay, so that a next turn of the same conversation can reuse
+        them: the rounds it sits through while free write only at and past its `start` (inside the buffers: every
+        request leaves `Engine.reserve` columns free past its end). Without, its columns move to the start of the
+        buffers."""
         core = self.core
         core.done[row] = True
         self.slots[row], self.held[row], self.asked[row] = None, held, asked
