@@ -362,6 +362,34 @@ def test_row_sets_switch_to_their_fused_packages_while_idle_and_a_fused_set_is_p
         engine.shutdown()
 
 
+def test_rows_move_to_a_smaller_row_set_only_after_three_calm_reads(tokenizer):
+    """When the running requests come to fit a smaller row set and nobody waits, they move there after three host
+    reads in a row (a closed-loop client's next request is often on its way), not at the first."""
+    from dflash2.serving.engine import GenerationRequest
+
+    target, drafter = tiny_pair(tokenizer)
+    engine = Engine(target, tokenizer, drafter, rows=2, max_model_len=512, rounds_per_read=1)
+    seen, step = [], engine.step
+    engine.step = lambda: (step(), seen.append((engine.active.batch, len(engine.active.requests()))))
+    jobs = []
+    for prompt, limit in zip(PROMPTS[:2], (60, 2)):
+        done = threading.Event()
+        jobs.append((GenerationRequest(prompt_ids=conversation_ids(tokenizer, [{"role": "user", "content": prompt}]),
+                                       max_tokens=limit, emit=lambda e, done=done: e[0] != "text" and done.set()), done))
+    for request, _ in jobs:
+        engine.submit(request)
+    engine.start()
+    try:
+        assert all(done.wait(120) for _, done in jobs)
+    finally:
+        engine.shutdown()
+    # (active batch, running requests) after each step; the step of the move records the one-row set already
+    moved = next(index for index, (batch, _) in enumerate(seen) if batch == 1)
+    alone = [index for index, (batch, running) in enumerate(seen[:moved]) if batch == 2 and running == 1]
+    assert len(alone) == 2 and alone[-1] == moved - 1  # two calm reads in a row, the move at the third
+    assert engine.metrics["row_moves"] >= 2  # into the two-row set, then back to the one-row set
+
+
 def test_completions_stop_strings_models_and_metrics(tiny):
     server, target, tokenizer = tiny
     prompt = "Once upon a time"
