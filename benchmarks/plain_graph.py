@@ -180,9 +180,9 @@ def single_cuda_device(model) -> bool:
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
-def capacity_for(needed: int) -> int:
-    """Cache columns for `needed` (prompt + new tokens + the capture's warm-up steps): the own loop's CUDA buffers."""
-    return own_loop_capacity(needed, graphs=True)
+def capacity_for(length: int, new_tokens: int) -> int:
+    """Cache columns for `length` prompt and `new_tokens` tokens (and warm-up steps): the own loop's CUDA buffers."""
+    return own_loop_capacity(length + new_tokens + 2, graphs=True)
 
 
 def plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
@@ -193,7 +193,7 @@ def plain_graph_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eo
     dict (`plain_graph_loops`)."""
     eos = () if eos_token_id is None else tuple(eos_token_id if isinstance(eos_token_id, (list, tuple)) else
                                                 [eos_token_id])
-    capacity = capacity_for(input_ids.shape[1] + max_new_tokens + 2)
+    capacity = capacity_for(input_ids.shape[1], max_new_tokens)
     loops = model.__dict__.setdefault("plain_graph_loops", {})
     sampled = sampling is not None and sampling.do_sample
     kind = ("cuts" if has_cuts(sampling) else "temperature") if sampled else "greedy"
@@ -262,7 +262,7 @@ def forward_fn(model, tokens: int, context: int, capacity: int | None = None, co
     from dflash2.modeling_dflash2 import cache_keyword
 
     device = model.get_output_embeddings().weight.device
-    cache = StaticCache(config=model.config, max_cache_len=capacity or capacity_for(context + tokens + 2))
+    cache = StaticCache(config=model.config, max_cache_len=capacity or capacity_for(context, tokens))
     keyword = {cache_keyword(model): cache}
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)

@@ -352,7 +352,7 @@ def warm_up(call, encoded, methods, block_size: int, max_new_tokens: int) -> int
         for ids in items:
             length = ids.shape[1]
             shapes.setdefault((prefill_width(length, block_size, bucketed=True),
-                               capacity_for(length + max_new_tokens + 2)), ids)
+                               capacity_for(length, max_new_tokens)), ids)
     for ids in shapes.values():
         for method in methods:
             call(method, ids)

@@ -477,8 +477,8 @@ def prometheus_text(engine: Engine) -> str:
            counts["row_moves"])
     metric("dflash2_fused_round", "gauge", "1 when the rounds run the inductor-fused round.", int(engine.fused))
     metric("dflash2_row_sets", "gauge", "Round runners of 1, 2, 4, ... rows the server keeps.", len(engine.row_sets))
-    metric("dflash2_fused_row_sets", "gauge", "Round runners that run the inductor-fused round (each switches at its "
-           "first step after its package is ready).", engine.fused_row_sets)
+    metric("dflash2_fused_row_sets", "gauge", "Round runners that run the inductor-fused round (each switches once its "
+           "package is on disk: while the server is idle, or before requests move into it).", engine.fused_row_sets)
     lines.append(f'dflash2_round_info{{kind="{engine.runner.kind}"}} 1')
     return "\n".join(lines) + "\n"
 

@@ -177,15 +177,15 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
     device = next(target.parameters()).device
     eos = target.generation_config.eos_token_id
     tokens = seconds = 0.0
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device) for prompt in prompts]
-    one_per_capacity = {capacity_for(ids.shape[1] + args.max_tokens + 2): ids for ids in encoded}
+    one_per_capacity = {capacity_for(ids.shape[1], args.max_tokens): ids for ids in encoded}
     for ids in one_per_capacity.values():  # every loop compiled and captured outside the timing
         timed_plain_graph_generate(target, ids, args.max_tokens, eos, tokenizer.eos_token_id, compile=True)
     for ids in encoded:
         out, took = timed_plain_graph_generate(target, ids, args.max_tokens, eos, tokenizer.eos_token_id,
                                                compile=True)
         new = out[0, ids.shape[1]:].tolist()
-        eos_ids = set(eos if isinstance(eos, list) else [eos])
         tokens += next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
         seconds += took
     return {"prompts": len(prompts), "completion_tokens": int(tokens), "wall_seconds": round(seconds, 3),
