@@ -170,6 +170,8 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
     import torch
 
     from dflash2.benchmarks.plain_graph import capacity_for, timed_plain_graph_generate
+    from dflash2.generation.sampling import eos_token_ids
+    from dflash2.generation.stats import truncate_at_eos
     from dflash2.model_args import load_pair
     from dflash2.tasks import chat_prompt_ids
 
@@ -177,7 +179,7 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
     device = next(target.parameters()).device
     eos = target.generation_config.eos_token_id
     tokens = seconds = 0.0
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = set(eos_token_ids(target.generation_config))
     encoded = [torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device) for prompt in prompts]
     one_per_capacity = {capacity_for(ids.shape[1], args.max_tokens): ids for ids in encoded}
     for ids in one_per_capacity.values():  # every loop compiled and captured outside the timing
@@ -185,8 +187,7 @@ def plain_graph_reference(args, prompts: list[str]) -> dict:
     for ids in encoded:
         out, took = timed_plain_graph_generate(target, ids, args.max_tokens, eos, tokenizer.eos_token_id,
                                                compile=True)
-        new = out[0, ids.shape[1]:].tolist()
-        tokens += next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+        tokens += len(truncate_at_eos(out[0, ids.shape[1]:].tolist(), eos_ids))
         seconds += took
     return {"prompts": len(prompts), "completion_tokens": int(tokens), "wall_seconds": round(seconds, 3),
             "tokens_per_second": round(tokens / seconds, 2), "device": str(device)}
