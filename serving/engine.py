@@ -239,7 +239,7 @@ class Engine:
         """Move the running requests to the row set for `count` rows (`row_set_for`; nothing when it is the one in
         use): each request's row is copied over, in order, and the old rows are freed. The smallest row set that holds
         them switches to its fused package first if one is ready for it."""
-        self.switch_to_package(self.row_set_for(count, fused_only=False))
+        self.switch_to_package(self.row_set_for(count, prefer_fused=False))
         target = self.row_set_for(count)
         if target is self.active:
             return
@@ -252,12 +252,12 @@ class Engine:
             self.metrics["row_moves"] += 1
         self.active = target
 
-    def row_set_for(self, count: int, fused_only: bool = True) -> RowSet:
+    def row_set_for(self, count: int, prefer_fused: bool = True) -> RowSet:
         """The row set that decodes `count` requests: the smallest that holds them, unless its round is not fused yet
         (its package still building) and a larger one's is: a fused round of more rows costs less than an unfused
         round of fewer."""
         holding = [rows for rows in self.row_sets if rows.batch >= count]
-        return next((rows for rows in holding if rows.fused), holding[0]) if fused_only else holding[0]
+        return next((rows for rows in holding if rows.fused), holding[0]) if prefer_fused else holding[0]
 
     def switch_to_package(self, rows: RowSet) -> bool:
         """A row set without requests whose fused package is on disk and not in use yet switches to it now: a short
